@@ -1,0 +1,1 @@
+"""Triton kernels with torch reference paths (validated on CPU under TRITON_INTERPRET=1)."""

@@ -1,0 +1,5 @@
+import sys
+
+from megatron_hybridep.cli import main
+
+sys.exit(main())
