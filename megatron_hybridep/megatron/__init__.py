@@ -1,1 +1,1 @@
-"""megatron"""
+"""Megatron-Core glue: the only package that touches Megatron internals."""

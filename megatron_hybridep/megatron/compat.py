@@ -1,0 +1,34 @@
+"""The one place that knows which megatron-core versions this plugin supports."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from packaging.version import Version
+
+# Integration points (MoELayer.__init__ dispatcher selection, token dispatcher API, the CUDA
+# hard-codings patched by cpu_runtime) were checked against 0.19.2; 0.17/0.18 share that API.
+SUPPORTED = (Version("0.17.0"), Version("0.20.0"))  # [min, max)
+TESTED = "0.19.2"
+
+
+def megatron_core_version() -> Version:
+    try:
+        return Version(version("megatron-core"))
+    except PackageNotFoundError as exc:
+        raise ImportError(
+            "megatron-core is not installed; install the pinned environment with ./scripts/test "
+            "or `pip install megatron-core==0.19.2`"
+        ) from exc
+
+
+def check_megatron_version() -> Version:
+    """Fail clearly on a megatron-core outside the supported range."""
+    v = megatron_core_version()
+    lo, hi = SUPPORTED
+    if not (lo <= v < hi):
+        raise ImportError(
+            f"megatron-core {v} is not supported by megatron-hybridep (supported: >={lo},<{hi}; "
+            f"tested: {TESTED}). Fix: pip install 'megatron-core=={TESTED}'"
+        )
+    return v

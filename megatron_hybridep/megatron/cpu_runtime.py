@@ -1,0 +1,368 @@
+"""Run Megatron-Core's MoE training path on CPU with gloo.
+
+Megatron-Core hard-codes CUDA (device='cuda', torch.cuda.current_device(), CUDA streams/events,
+the CUDA RNG). ``enable()`` makes the listed Megatron modules see a CPU stand-in for ``torch``:
+only those modules, only their module-global name ``torch``, and nothing at all when CUDA is
+available. No Megatron function body is copied or rewritten; two small functions are replaced
+outright (see ``_FUNCTION_PATCHES``) because their logic, not just their device, is CUDA-specific.
+
+Checked against megatron-core 0.19.2 (the version in requirements.lock); the supported range is
+megatron_hybridep.megatron.compat.SUPPORTED. Each entry names the upstream functions it affects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import threading
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CHECKED_AGAINST = "0.19.2"
+
+
+def _to_cpu_device(device: Any) -> Any:
+    """Map a CUDA device spec (str, int index, torch.device) to CPU; leave others alone."""
+    if isinstance(device, torch.device):
+        return torch.device("cpu") if device.type == "cuda" else device
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    return device
+
+
+class _NullEvent:
+    """CUDA event stand-in: CPU work is synchronous, so every wait is already satisfied."""
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _NullStream:
+    """CUDA stream stand-in (single in-order CPU 'stream')."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _NullEvent:
+        return event or _NullEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+_CURRENT_STREAM = _NullStream()
+
+
+class _CudaOnCpu(types.SimpleNamespace):
+    """What the patched modules see as ``torch.cuda``; anything not listed falls through."""
+
+    Stream = _NullStream
+    Event = _NullEvent
+
+    @staticmethod
+    def is_available() -> bool:
+        return False
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    @staticmethod
+    def device_count() -> int:
+        return 0
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _NullStream:
+        return _CURRENT_STREAM
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+    @staticmethod
+    def is_current_stream_capturing() -> bool:
+        return False
+
+    # The device RNG on CPU is torch's default (CPU) generator.
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+def _cpu_factory(fn: Callable) -> Callable:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    wrapped.__name__ = fn.__name__
+    wrapped.__doc__ = f"{fn.__name__} with CUDA devices mapped to CPU (megatron_hybridep.cpu_runtime)."
+    return wrapped
+
+
+class _TorchOnCpu(types.ModuleType):
+    """``torch`` as the patched Megatron modules see it: torch.cuda is _CudaOnCpu and tensor
+    factories map device='cuda' to CPU. Everything else is the real torch module."""
+
+    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like",
+                  "empty_like", "full_like", "randn", "rand", "randint", "as_tensor", "eye")
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CudaOnCpu()
+        self.device = _cpu_torch_device
+        for name in self._FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+class _DeviceMeta(type):
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, torch.device)
+
+
+class _cpu_torch_device(metaclass=_DeviceMeta):  # noqa: N801 - stands in for torch.device
+    """torch.device('cuda'[, i]) -> torch.device('cpu'); isinstance checks still work."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> torch.device:  # type: ignore[misc]
+        if args and isinstance(args[0], str) and args[0].startswith("cuda"):
+            return torch.device("cpu")
+        return torch.device(*args, **kwargs)
+
+
+# Megatron modules whose module-global ``torch`` is replaced, with the upstream functions that
+# need it (megatron-core 0.19.2). A module missing in another version is reported, not fatal.
+_MODULE_SHIMS: dict[str, str] = {
+    "megatron.core.transformer.moe.router":
+        "Router.__init__ (weight moved to torch.cuda.current_device()), "
+        "TopKRouter aux-loss / load-balancing tracker buffers on the CUDA device",
+    "megatron.core.transformer.moe.token_dispatcher":
+        "MoEAlltoAllTokenDispatcher.__init__ (torch.cuda.Stream for D2H copies), "
+        "_maybe_dtoh_and_synchronize (stream/event sync); allgather dispatcher device args",
+    "megatron.core.transformer.moe.moe_layer":
+        "MoELayer.setup_delayed_wgrad_for_dispatch_backward_overlap, postprocess (streams/events)",
+    "megatron.core.transformer.moe.shared_experts":
+        "SharedExpertMLP overlap streams (torch.cuda.Stream / stream contexts)",
+    "megatron.core.transformer.moe.moe_utils":
+        "maybe_move_tensor_to_cpu.record_stream, aux-loss helpers' device args",
+    "megatron.core.tensor_parallel.mappings":
+        "_AllToAll.forward (output buffer on torch.cuda.current_device())",
+    "megatron.core.tensor_parallel.random":
+        "CudaRNGStatesTracker.add / model_parallel_cuda_manual_seed (torch.cuda RNG -> CPU RNG)",
+    "megatron.core.tensor_parallel.layers":
+        "ColumnParallelLinear/RowParallelLinear GPU-init device args",
+    "megatron.core.transformer.transformer_layer":
+        "TransformerLayer router D2H event and device args",
+    "megatron.core.transformer.attention": "Attention inference/rotary device args",
+    "megatron.core.transformer.dot_product_attention": "DotProductAttention mask device args",
+    "megatron.core.models.gpt.gpt_model": "GPTModel MTP / loss-mask device args",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": "RotaryEmbedding inv_freq device",
+    "megatron.core.distributed.distributed_data_parallel":
+        "DistributedDataParallel communication stream, synchronize/empty_cache",
+    "megatron.core.distributed.param_and_grad_buffer":
+        "_ParamAndGradBuffer allocation on torch.cuda.current_device(), bucket streams",
+    "megatron.core.optimizer.optimizer":
+        "FP32Optimizer._scale / MixedPrecisionOptimizer.found_inf on device='cuda'",
+    "megatron.core.optimizer.grad_scaler": "ConstantGradScaler/DynamicGradScaler tensors on 'cuda'",
+    "megatron.core.optimizer.clip_grads":
+        "get_grad_norm_fp32 / clip_grad_by_total_norm_fp32 / count_zeros_fp32 buffers on 'cuda'",
+    "megatron.core.transformer.moe.experts": "SequentialMLP / GroupedMLP device args",
+    "megatron.core.utils": "GlobalMemoryBuffer.get_tensor (buffer on torch.cuda.current_device())",
+    "megatron.core.transformer.utils": "get_default_causal_mask (mask built on device=\"cuda\")",
+}
+
+
+def _cpu_maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """Replaces moe_utils.maybe_move_tensor_to_cpu: upstream converts split sizes to numpy only for
+    CUDA tensors, so on CPU all_to_all would get tensors as split sizes (gloo rejects them)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+class _CpuRNGStatesTracker:
+    """Mixin over Megatron's CudaRNGStatesTracker: on CPU the tracked generator *is* the CPU
+    generator, so the upstream 'CPU RNG state changed within GPU RNG context' check in fork()
+    would fire on every forked region. Same states, same semantics, no false warning."""
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):  # noqa: ANN201 - context manager
+        if name not in self.states_:
+            raise Exception(f"cuda rng state {name} is not added")
+        orig_state = torch.get_rng_state()
+        orig_name = self._current_state_name
+        if orig_name != "default-rng":
+            self.states_[orig_name] = orig_state
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            if orig_name != "default-rng":
+                orig_state = self.states_[orig_name]
+            torch.set_rng_state(orig_state)
+            self._current_state_name = orig_name
+
+
+def _cpu_get_cuda_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_cuda_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _cpu_clip_grad_by_total_norm(orig: Callable) -> Callable:
+    """Wraps optimizer.clip_grads.clip_grad_by_total_norm_fp32, which asserts grads are
+    'torch.cuda.FloatTensor'. Same rule: scale every grad by min(1, max_norm / (norm + 1e-6))."""
+
+    def clip(parameters: Any, max_norm: float, total_norm: Any, use_decoupled_grad: bool = False) -> None:
+        params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        grads = [getattr(p, attr) for p in params if getattr(p, attr, None) is not None]
+        if any(g.is_cuda for g in grads):
+            return orig(parameters, max_norm, total_norm, use_decoupled_grad)
+        coeff = max_norm / (total_norm + 1.0e-6)
+        if torch.is_tensor(coeff):
+            coeff = coeff.clamp_max(1.0)
+        elif coeff >= 1.0:
+            return None
+        for g in grads:
+            g.detach().mul_(coeff)
+        return None
+
+    return clip
+
+
+@dataclass(frozen=True)
+class _FunctionPatch:
+    module: str
+    attr: str
+    replacement: Callable[[Any], Any]  # original -> replacement
+    upstream: str
+
+
+_FUNCTION_PATCHES: tuple[_FunctionPatch, ...] = (
+    _FunctionPatch("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
+                   lambda orig: _cpu_maybe_move_tensor_to_cpu,
+                   "moe_utils.maybe_move_tensor_to_cpu as imported by token_dispatcher"),
+    _FunctionPatch("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu",
+                   lambda orig: _cpu_maybe_move_tensor_to_cpu, "moe_utils.maybe_move_tensor_to_cpu"),
+    _FunctionPatch("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32",
+                   _cpu_clip_grad_by_total_norm,
+                   "optimizer.clip_grads.clip_grad_by_total_norm_fp32 as imported by optimizer"),
+    _FunctionPatch("megatron.core.tensor_parallel.random", "_get_cuda_rng_state",
+                   lambda orig: _cpu_get_cuda_rng_state, "tensor_parallel.random._get_cuda_rng_state"),
+    _FunctionPatch("megatron.core.tensor_parallel.random", "_set_cuda_rng_state",
+                   lambda orig: _cpu_set_cuda_rng_state, "tensor_parallel.random._set_cuda_rng_state"),
+    _FunctionPatch("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker",
+                   lambda orig: type("CpuRNGStatesTracker", (_CpuRNGStatesTracker, orig), {}),
+                   "tensor_parallel.random.CudaRNGStatesTracker.fork"),
+)
+
+_lock = threading.Lock()
+_saved: list[tuple[Any, str, Any]] = []  # (module, attr, original) in patch order
+
+
+def is_enabled() -> bool:
+    return bool(_saved)
+
+
+def enable(force: bool = False) -> bool:
+    """Make Megatron-Core's MoE path run on CPU. Idempotent. Returns True when patches are active.
+
+    A no-op (returns False) when CUDA is available, unless ``force`` (tests only).
+    """
+    with _lock:
+        if _saved:
+            return True
+        if torch.cuda.is_available() and not force:
+            log.debug("cpu_runtime.enable(): CUDA is available, Megatron left untouched")
+            return False
+        from megatron_hybridep.megatron.compat import check_megatron_version
+
+        check_megatron_version()
+        shim = _TorchOnCpu()
+        for name in _MODULE_SHIMS:
+            try:
+                module = importlib.import_module(name)
+            except ImportError as exc:  # optional module in this megatron-core version
+                log.warning("cpu_runtime: %s not importable (%s); its CUDA paths stay unpatched", name, exc)
+                continue
+            _saved.append((module, "torch", module.torch))
+            module.torch = shim
+        for patch in _FUNCTION_PATCHES:
+            module = importlib.import_module(patch.module)
+            original = getattr(module, patch.attr)
+            _saved.append((module, patch.attr, original))
+            setattr(module, patch.attr, patch.replacement(original))
+        _reset_rng_tracker()
+        return True
+
+
+def disable() -> None:
+    """Undo enable() (tests use it to check the patches are reversible)."""
+    with _lock:
+        while _saved:
+            module, attr, original = _saved.pop()
+            setattr(module, attr, original)
+        _reset_rng_tracker()
+
+
+def _reset_rng_tracker() -> None:
+    # A tracker built before enable() holds CUDA generator states; rebuild it lazily.
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._CUDA_RNG_STATE_TRACKER = None
+    random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+
+
+def patched_modules() -> dict[str, str]:
+    """Module -> upstream functions affected (for docs and the closing note)."""
+    return dict(_MODULE_SHIMS) | {f"{p.module}.{p.attr}": p.upstream for p in _FUNCTION_PATCHES}

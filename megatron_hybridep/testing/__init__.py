@@ -1,0 +1,1 @@
+"""Test and benchmark helpers (exactness references, builders)."""

@@ -1,0 +1,126 @@
+"""Building blocks for exactness tests and benchmarks: a Megatron MoE layer with weights taken from
+one global, seeded set, and an independent pure-torch reference of the same MoE math.
+
+The reference is the oracle's oracle: it shares no code with Megatron, so a CPU-runtime patch that
+changed Megatron's numerics would show up as a mismatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    hidden: int = 16
+    ffn: int = 32
+    experts: int = 8
+    topk: int = 2
+    aux_loss_coeff: float = 0.0
+    seq: int = 12
+    batch: int = 2
+    dispatcher: str = "alltoall"
+    seed: int = 1234
+    pre_softmax: bool | None = None  # None: Megatron's requirement (pre-softmax iff top-1)
+    extra: dict = field(default_factory=dict)  # more TransformerConfig fields
+
+    @property
+    def use_pre_softmax(self) -> bool:
+        return self.topk == 1 if self.pre_softmax is None else self.pre_softmax
+
+
+@dataclass
+class GlobalWeights:
+    """All experts' weights, identical on every rank (generated from the spec's seed)."""
+
+    router: torch.Tensor  # [E, H]
+    fc1: torch.Tensor  # [E, F, H]
+    fc2: torch.Tensor  # [E, H, F]
+
+
+def global_weights(spec: MoESpec) -> GlobalWeights:
+    g = torch.Generator().manual_seed(spec.seed)
+    h, f, e = spec.hidden, spec.ffn, spec.experts
+    return GlobalWeights(
+        router=torch.randn(e, h, generator=g) * 0.5,
+        fc1=torch.randn(e, f, h, generator=g) / h**0.5,
+        fc2=torch.randn(e, h, f, generator=g) / f**0.5,
+    )
+
+
+def rank_input(spec: MoESpec, rank: int, step: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(spec.seed * 1000 + rank * 17 + step)
+    return torch.randn(spec.seq, spec.batch, spec.hidden, generator=g)
+
+
+def transformer_config(spec: MoESpec, **overrides: object):  # noqa: ANN201 - TransformerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(
+        num_layers=1, hidden_size=spec.hidden, ffn_hidden_size=spec.ffn, moe_ffn_hidden_size=spec.ffn,
+        num_attention_heads=4, num_moe_experts=spec.experts, moe_router_topk=spec.topk,
+        moe_token_dispatcher_type=spec.dispatcher, moe_aux_loss_coeff=spec.aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if spec.aux_loss_coeff else "none",
+        moe_router_pre_softmax=spec.use_pre_softmax, use_cpu_initialization=True, add_bias_linear=False,
+        bf16=False, fp16=False, params_dtype=torch.float32,
+    )
+    kwargs.update(spec.extra)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_moe_layer(spec: MoESpec, ep_rank: int, ep_size: int, **config_overrides: object):  # noqa: ANN201
+    """A Megatron MoE layer (local spec, SequentialMLP) holding this EP rank's slice of the
+    global weights. Model parallel state must be initialised by the caller."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = transformer_config(spec, **config_overrides)
+    layer_spec = get_gpt_layer_local_spec(num_experts=spec.experts, moe_grouped_gemm=False)
+    layer = layer_spec.submodules.mlp(config=config)
+    load_global_weights(layer, global_weights(spec), ep_rank, ep_size)
+    return layer
+
+
+def load_global_weights(layer: torch.nn.Module, w: GlobalWeights, ep_rank: int, ep_size: int) -> None:
+    n_local = w.fc1.shape[0] // ep_size
+    with torch.no_grad():
+        layer.router.weight.copy_(w.router)
+        for i, expert in enumerate(layer.experts.local_experts):
+            e = ep_rank * n_local + i
+            expert.linear_fc1.weight.copy_(w.fc1[e])
+            expert.linear_fc2.weight.copy_(w.fc2[e])
+
+
+def reference_moe(x: torch.Tensor, w: GlobalWeights, topk: int, aux_loss_coeff: float = 0.0,
+                  pre_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch MoE forward on one rank's tokens: (output, aux_loss).
+
+    Megatron's routing: top-k over logits then softmax over the k selected (or, pre-softmax, top-k
+    of the softmax over all experts); GELU MLP experts;
+    Switch load-balancing loss E*coeff/(k*T^2) * sum_e(sum_t softmax(logits)_te * count_e).
+    """
+    shape = x.shape
+    tokens = x.reshape(-1, shape[-1])
+    logits = tokens @ w.router.t()
+    if pre_softmax:
+        top_probs, top_idx = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
+    else:
+        top_logits, top_idx = torch.topk(logits, topk, dim=-1)
+        top_probs = torch.softmax(top_logits, dim=-1)
+    out = torch.zeros_like(tokens)
+    for e in range(w.fc1.shape[0]):
+        rows, slot = (top_idx == e).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        h = F.gelu(tokens[rows] @ w.fc1[e].t()) @ w.fc2[e].t()
+        out = out.index_add(0, rows, h * top_probs[rows, slot].unsqueeze(-1))
+    aux = logits.new_zeros(())
+    if aux_loss_coeff:
+        num_experts, t = w.fc1.shape[0], tokens.shape[0]
+        counts = torch.zeros(num_experts).index_add_(0, top_idx.reshape(-1), torch.ones(top_idx.numel()))
+        scores = torch.softmax(logits, dim=-1)
+        aux = (scores.sum(0) * counts).sum() * num_experts * aux_loss_coeff / (topk * t * t)
+    return out.reshape(shape), aux

@@ -1,0 +1,78 @@
+"""The multi-rank harness: results by rank, every failing rank's traceback, hangs fail fast with
+the hung rank's stack, and no process is left behind."""
+
+import os
+import threading
+import time
+
+import pytest
+
+from megatron_hybridep.runtime.launch import RankFailure, run_ranks
+
+
+def _record_pid(ctx, pid_dir):
+    with open(os.path.join(pid_dir, str(ctx.rank)), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def _allreduce(ctx, pid_dir):
+    import torch
+    import torch.distributed as dist
+
+    _record_pid(ctx, pid_dir)
+    t = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(t)
+    return ctx.rank, t.item()
+
+
+def _raise_on_rank_one(ctx, pid_dir):
+    import torch
+    import torch.distributed as dist
+
+    _record_pid(ctx, pid_dir)
+    if ctx.rank == 1:
+        raise ValueError("rank one is broken")
+    dist.all_reduce(torch.ones(1))  # rank 0 blocks here: its peer never joins
+
+
+def _hang_on_rank_zero(ctx, pid_dir):
+    _record_pid(ctx, pid_dir)
+    if ctx.rank == 0:
+        threading.Event().wait()  # never set: a genuine hang
+    return "done"
+
+
+def _assert_all_gone(pid_dir):
+    for name in os.listdir(pid_dir):
+        pid = int(open(os.path.join(pid_dir, name)).read())
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        with open(f"/proc/{pid}/stat") as f:  # a reaped-but-listed zombie is not a leak
+            assert f.read().split()[2] == "Z", f"rank {name} (pid {pid}) still running"
+
+
+def test_results_come_back_by_rank(tmp_path):
+    assert run_ranks(_allreduce, 3, str(tmp_path), timeout=60) == [(0, 6.0), (1, 6.0), (2, 6.0)]
+    _assert_all_gone(str(tmp_path))
+
+
+def test_failure_reports_traceback_and_stops_peers(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_raise_on_rank_one, 2, str(tmp_path), timeout=60)
+    assert "rank one is broken" in info.value.reports[1]
+    assert 0 in info.value.reports  # the blocked peer is reported, not waited on for 60 s
+    assert time.monotonic() - start < 40
+    _assert_all_gone(str(tmp_path))
+
+
+def test_hang_fails_fast_with_stack(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_hang_on_rank_zero, 2, str(tmp_path), timeout=4)
+    assert time.monotonic() - start < 30
+    assert "_hang_on_rank_zero" in info.value.reports[0]  # the hung rank's stack
+    assert 1 not in info.value.reports
+    _assert_all_gone(str(tmp_path))
