@@ -1,0 +1,265 @@
+"""Sparse-residual codec kernels: residual top-k encode and scatter decode.
+
+Two backends with identical, exactly specified results:
+- torch: the reference, used on CPU and wherever Triton cannot run;
+- triton: ``kernels/_codec_triton.py``, used for CUDA tensors, or for any tensor when
+  ``TRITON_INTERPRET=1`` is set (that is how the tests validate it on CPU).
+
+Encode semantics (both backends, bit for bit):
+    r    = float32(weight) - float32(shared)         (r = float32(weight) when shared is None)
+    mag  = bits(r) & 0x7FFFFFFF                       (|r| as an ordered int; finite inputs only)
+    T    = the k-th largest mag
+    sel  = {i: mag_i > T}  plus the lowest-index  k - #{mag > T}  entries with mag_i == T
+The k selected entries are written in ascending index order; the index space is split into
+blocks of 2**block_bits elements and each entry stores its offset inside its block
+(``offsets``), ``counts[b]`` holding how many entries block b has. ``values`` holds r at the
+selected entries, rounded to the values' dtype (round-to-nearest-even).
+
+Decode semantics: ``out = base + alpha * scatter(values)`` computed in float32 and rounded to
+``out``'s dtype; ``base`` may be None (zeros) or alias ``out`` (in-place accumulate). Results
+equal the torch reference bit for bit when alpha is +-1 (other alphas may differ by fused
+multiply-add rounding on GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Literal
+
+import torch
+
+Backend = Literal["auto", "torch", "triton"]
+
+# Offset/count dtypes the kernels accept, by block_bits (the layout lives in runtime/compression).
+OFFSET_DTYPES = {8: torch.uint8, 16: torch.uint16, 32: torch.int32}
+COUNT_DTYPES = {8: torch.uint16, 16: torch.int32, 32: torch.int32}
+VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover - triton is in the lock, but stay usable without it
+        return False
+    return True
+
+
+def interpreter_enabled() -> bool:
+    """True when TRITON_INTERPRET=1, i.e. Triton kernels run on CPU tensors through the interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def triton_usable(t: torch.Tensor) -> bool:
+    """Whether the Triton backend can run on this tensor's device."""
+    if not _triton_importable():
+        return False
+    return t.is_cuda or (interpreter_enabled() and t.device.type == "cpu")
+
+
+def _pick(backend: Backend, t: torch.Tensor) -> str:
+    if backend == "auto":
+        return "triton" if triton_usable(t) else "torch"
+    if backend == "triton" and not triton_usable(t):
+        raise RuntimeError(f"triton backend requested but unusable on {t.device} "
+                           "(set TRITON_INTERPRET=1 for CPU tensors)")
+    return backend
+
+
+def _nblocks(n: int, block_bits: int) -> int:
+    return 1 if block_bits >= 32 else -(-n // (1 << block_bits))
+
+
+def _check_encode(
+    weight: torch.Tensor,
+    shared: torch.Tensor | None,
+    k: int,
+    block_bits: int,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    counts: torch.Tensor,
+) -> None:
+    n = weight.numel()
+    if block_bits not in OFFSET_DTYPES:
+        raise ValueError(f"block_bits must be one of {sorted(OFFSET_DTYPES)}, got {block_bits}")
+    if not 1 <= k <= n:
+        raise ValueError(f"need 1 <= k <= numel, got k={k}, numel={n}")
+    if n >= 2**31:
+        raise ValueError("tensors of 2**31 elements or more are not supported")
+    if shared is not None and shared.numel() != n:
+        raise ValueError(f"shared has {shared.numel()} elements, weight has {n}")
+    if values.numel() != k or offsets.numel() != k or counts.numel() != _nblocks(n, block_bits):
+        raise ValueError("values/offsets/counts have the wrong sizes for this k and block_bits")
+    if offsets.dtype != OFFSET_DTYPES[block_bits] or counts.dtype != COUNT_DTYPES[block_bits]:
+        raise ValueError(f"block_bits={block_bits} needs offsets {OFFSET_DTYPES[block_bits]}, "
+                         f"counts {COUNT_DTYPES[block_bits]}")
+    if values.dtype not in VALUE_DTYPES:
+        raise ValueError(f"value dtype must be one of {VALUE_DTYPES}, got {values.dtype}")
+
+
+_SAMPLE = 1 << 16
+
+
+def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th largest element of flat ``x`` (0-dim tensor), exactly.
+
+    A full top-k over millions of entries dominates CPU encode time, so a strided sample first
+    gives a lower bound t_lo expected to leave ~1.3k candidates; if at least k entries are
+    >= t_lo, the k largest are all among them and a small top-k finishes the job, else it
+    falls back to the full top-k. The result never depends on the sample.
+    """
+    n = x.numel()
+    if n > 4 * _SAMPLE and k < n // 8:
+        stride = n // _SAMPLE
+        sample = x[::stride]
+        m = sample.numel()
+        frac = k / n
+        ks = min(m, int(m * frac * 1.3 + 4 * (m * frac) ** 0.5) + 1)  # ~4 sigma of sampling noise
+        t_lo = torch.topk(sample, ks, sorted=False).values.min()
+        cand = x[x >= t_lo]
+        if cand.numel() >= k:
+            return torch.topk(cand, k, sorted=False).values.min()
+    return torch.topk(x, k, sorted=False).values.min()
+
+
+def residual_topk_encode_torch(
+    weight: torch.Tensor,
+    shared: torch.Tensor | None,
+    k: int,
+    block_bits: int,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    counts: torch.Tensor,
+) -> None:
+    """Torch reference of :func:`residual_topk_encode` (same arguments)."""
+    r = weight.reshape(-1).float()
+    if shared is not None:
+        r = r - shared.reshape(-1).float()
+    n = r.numel()
+    # Integer magnitudes: same order as |r| for finite floats, and +0/-0 compare equal.
+    mag = r.view(torch.int32) & 0x7FFFFFFF
+    if k >= n:
+        idx = torch.arange(n, device=r.device)
+    else:
+        thr = kth_largest(mag, k)
+        sel = mag >= thr
+        if int(sel.sum()) > k:  # ties at the threshold: keep the lowest-index ones
+            gt = mag > thr
+            eq = sel & ~gt
+            sel = gt | (eq & (eq.cumsum(0) <= k - gt.sum()))
+        idx = torch.nonzero_static(sel, size=k).squeeze(1)
+    values.copy_(r[idx])
+    if block_bits >= 32:
+        offsets.copy_(idx)
+        counts.fill_(k)
+    else:
+        offsets.copy_(idx & ((1 << block_bits) - 1))
+        counts.copy_(torch.bincount(idx >> block_bits, minlength=counts.numel()))
+
+
+def residual_topk_encode(
+    weight: torch.Tensor,
+    shared: torch.Tensor | None,
+    k: int,
+    block_bits: int,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    backend: Backend = "auto",
+) -> None:
+    """Select the top-k of |weight - shared| and write (values, offsets, counts) in place.
+
+    weight, shared: same numel (any shape, contiguous); shared None means zeros (plain top-k).
+    values: [k] float32/bfloat16/float16. offsets: [k] uint8 (block_bits 8), uint16 (16) or
+    int32 (32 = one block, offsets are absolute indices). counts: [ceil(numel / 2**block_bits)]
+    uint16 (8) or int32 (16, 32). See the module docstring for the exact selection rule.
+    """
+    _check_encode(weight, shared, k, block_bits, values, offsets, counts)
+    if _pick(backend, weight) == "triton":
+        from kernels import _codec_triton
+
+        _codec_triton.residual_topk_encode(weight, shared, k, block_bits, values, offsets, counts)
+    else:
+        residual_topk_encode_torch(weight, shared, k, block_bits, values, offsets, counts)
+
+
+def absolute_indices(offsets: torch.Tensor, counts: torch.Tensor, block_bits: int) -> torch.Tensor:
+    """int64 absolute positions of the encoded entries (ascending)."""
+    if block_bits >= 32:
+        return offsets.long()
+    nb = counts.numel()
+    base = torch.arange(nb, device=offsets.device, dtype=torch.int64) << block_bits
+    # output_size avoids a device sync on CUDA.
+    return torch.repeat_interleave(base, counts.long(), output_size=offsets.numel()) + offsets.long()
+
+
+def _check_decode(
+    base: torch.Tensor | None,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    counts: torch.Tensor,
+    block_bits: int,
+    out: torch.Tensor,
+) -> None:
+    if block_bits not in OFFSET_DTYPES:
+        raise ValueError(f"block_bits must be one of {sorted(OFFSET_DTYPES)}, got {block_bits}")
+    if base is not None and base.numel() != out.numel():
+        raise ValueError(f"base has {base.numel()} elements, out has {out.numel()}")
+    if values.numel() != offsets.numel() or counts.numel() != _nblocks(out.numel(), block_bits):
+        raise ValueError("values/offsets/counts sizes do not match out and block_bits")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+
+
+def sparse_residual_decode_torch(
+    base: torch.Tensor | None,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    counts: torch.Tensor,
+    block_bits: int,
+    out: torch.Tensor,
+    alpha: float = 1.0,
+) -> torch.Tensor:
+    """Torch reference of :func:`sparse_residual_decode` (same arguments)."""
+    flat_out = out.view(-1)
+    if out.dtype == torch.float32:
+        acc = flat_out  # accumulate in place (base may alias out)
+        if base is None:
+            acc.zero_()
+        elif base.data_ptr() != out.data_ptr():
+            acc.copy_(base.reshape(-1))
+    elif base is None:
+        acc = torch.zeros(out.numel(), dtype=torch.float32, device=out.device)
+    else:
+        acc = base.reshape(-1).float().clone()
+    if values.numel():
+        acc.index_add_(0, absolute_indices(offsets, counts, block_bits), values.float(), alpha=alpha)
+    if acc is not flat_out:
+        flat_out.copy_(acc)
+    return out
+
+
+def sparse_residual_decode(
+    base: torch.Tensor | None,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    counts: torch.Tensor,
+    block_bits: int,
+    out: torch.Tensor,
+    alpha: float = 1.0,
+    *,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """out = base + alpha * scatter(values at offsets/counts); base None = zeros; base may alias out.
+
+    The dense copy of base is fused with the scatter: every output element is written once.
+    Returns out.
+    """
+    _check_decode(base, values, offsets, counts, block_bits, out)
+    if _pick(backend, out) == "triton":
+        from kernels import _codec_triton
+
+        return _codec_triton.sparse_residual_decode(base, values, offsets, counts, block_bits, out, alpha)
+    return sparse_residual_decode_torch(base, values, offsets, counts, block_bits, out, alpha)

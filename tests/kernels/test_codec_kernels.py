@@ -1,0 +1,105 @@
+"""Codec kernels: dispatcher, argument checks, torch reference semantics, and the Triton
+kernels against the torch reference under TRITON_INTERPRET=1 (in a subprocess)."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels import codec as C
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_triton_kernels_match_torch_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(REPO / "tests/kernels/interp_cases.py")], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ALL OK" in proc.stdout and "MISMATCH" not in proc.stdout
+
+
+def test_dispatcher_uses_torch_on_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    t = torch.zeros(4)
+    assert not C.triton_usable(t)
+    assert C._pick("auto", t) == "torch"
+    with pytest.raises(RuntimeError):
+        C._pick("triton", t)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert C.triton_usable(t) == C._triton_importable()
+
+
+def _bufs(n, k, bits, vdt=torch.float32):
+    return (torch.empty(k, dtype=vdt), torch.empty(k, dtype=C.OFFSET_DTYPES[bits]),
+            torch.empty(C._nblocks(n, bits), dtype=C.COUNT_DTYPES[bits]))
+
+
+@pytest.mark.parametrize("bits", [8, 16, 32])
+def test_torch_reference_encode_decode(bits):
+    torch.manual_seed(0)
+    n, k = 70_000, 1234
+    w, s = torch.randn(n), torch.randn(n)
+    v, o, c = _bufs(n, k, bits)
+    C.residual_topk_encode(w, s, k, bits, v, o, c, backend="torch")
+    idx = C.absolute_indices(o, c, bits)
+    ref = torch.topk((w - s).abs(), k).indices.sort().values
+    assert torch.equal(idx, ref) and int(c.long().sum()) == k
+    assert torch.equal(v, (w - s)[ref])
+    out = torch.empty(n)
+    C.sparse_residual_decode(s, v, o, c, bits, out, backend="torch")
+    expect = s.clone()
+    expect[ref] += v
+    assert torch.equal(out, expect)
+    # In place with alpha=-1 removes exactly the sent entries (error-feedback use).
+    acc = w - s
+    C.sparse_residual_decode(acc, v, o, c, bits, acc, alpha=-1.0, backend="torch")
+    assert torch.count_nonzero(acc[ref]) == 0 and torch.equal(acc[~torch.isin(torch.arange(n), ref)],
+                                                              (w - s)[~torch.isin(torch.arange(n), ref)])
+
+
+def test_argument_checks():
+    n, k = 1000, 10
+    w = torch.randn(n)
+    v, o, c = _bufs(n, k, 8)
+    with pytest.raises(ValueError):
+        C.residual_topk_encode(w, None, 0, 8, v, o, c)
+    with pytest.raises(ValueError):
+        C.residual_topk_encode(w, None, k, 12, v, o, c)
+    with pytest.raises(ValueError):
+        C.residual_topk_encode(w, torch.randn(n + 1), k, 8, v, o, c)
+    with pytest.raises(ValueError):
+        C.residual_topk_encode(w, None, k, 8, v, o.to(torch.int32), c)
+    with pytest.raises(ValueError):
+        C.residual_topk_encode(w, None, k, 8, v.to(torch.float64), o, c)
+    with pytest.raises(ValueError):
+        C.sparse_residual_decode(None, v, o, c, 8, torch.empty(n + 300))
+
+
+@pytest.mark.parametrize("case", ["randn", "ties", "sample_misleads", "k_large"])
+def test_kth_largest_is_exact_including_when_the_sample_misleads(case, monkeypatch):
+    n, k = 1_000_000, 600
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 1 << 30, (n,), generator=g, dtype=torch.int32)
+    calls = []
+    real_topk = torch.topk
+    monkeypatch.setattr(torch, "topk", lambda t, kk, **kw: calls.append(t.numel()) or real_topk(t, kk, **kw))
+    if case == "ties":
+        x = torch.randint(0, 50, (n,), generator=g, dtype=torch.int32)
+    elif case == "sample_misleads":
+        # The sampled entries are the only large ones but fewer than k: the bound from the
+        # sample is too high, too few candidates survive, and the full top-k must run.
+        stride = n // (1 << 16)
+        x = torch.randint(0, 10_000, (n,), generator=g, dtype=torch.int32)
+        x[::stride] = 10_000
+        k = 100_000
+    elif case == "k_large":
+        k = n // 4
+    got = C.kth_largest(x, k)
+    assert got == real_topk(x, k).values[-1]
+    full = n in calls
+    assert full == (case in ("sample_misleads", "k_large"))  # the fast path ran where it could
