@@ -116,6 +116,11 @@ def train_step(state: TrainState, tokens: torch.Tensor, labels: torch.Tensor) ->
     if not ok:
         raise RuntimeError(f"optimizer step {state.iteration} skipped (non-finite gradients)")
     state.iteration += 1
+    from megatron_hybridep.runtime.context import get_runtime
+
+    runtime = get_runtime()
+    if runtime is not None:
+        runtime.after_optimizer_step()  # next iteration's first expert gather overlaps data loading
     return {"loss": loss.item(), "grad_norm": float(grad_norm or 0.0)}
 
 

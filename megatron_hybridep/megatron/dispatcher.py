@@ -1,0 +1,87 @@
+"""The hybridep token dispatcher: Megatron's all-to-all dispatcher over a plan's rail group.
+
+Megatron's MoEAlltoAllTokenDispatcher assumes expert e lives on EP rank e // L'. Over a rail that
+holds when experts are numbered domain-major (domain j owns the contiguous block
+[j*S*L, (j+1)*S*L)), so the dispatcher sees the routing columns in that order and, with
+L' = S*L local experts per rail rank, every token goes to the rail member in its expert's domain;
+a token whose expert is in the sender's own domain stays local (the self-chunk of the all-to-all).
+With S = 1 the order is the identity and this is exactly Megatron's EP.
+
+Checked against megatron-core 0.19.2 (MoEAlltoAllTokenDispatcher: dispatch_preprocess,
+token_dispatch, token_combine, input_splits/output_splits).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+from megatron_hybridep.plan.plan import Plan
+from megatron_hybridep.runtime.instrument import Stats
+
+
+def expert_order(plan: Plan, local_experts: int) -> list[int]:
+    """order[p] = Megatron expert id seen at dispatcher column p: domains in rail order, members in
+    domain order, local experts in owner order."""
+    return [member * local_experts + i
+            for domain in sorted(plan.domains, key=min)
+            for member in domain
+            for i in range(local_experts)]
+
+
+def _rows_sent(splits: Any, me: int) -> int:
+    """Rows this rank sends to other ranks (its own chunk never leaves the process)."""
+    if splits is None:
+        return 0
+    s = np.asarray(splits.cpu() if torch.is_tensor(splits) else splits)
+    return int(s.sum() - s[me])
+
+
+def instrument(dispatcher: MoEAlltoAllTokenDispatcher, stats: Stats, layer: int) -> None:
+    """Count routing, bytes sent to other ranks and time of an all-to-all dispatcher instance
+    (hybridep or Megatron's own, so both are measured the same way). Backward traffic is the
+    transpose of the forward: same bytes, reverse direction."""
+    preprocess, dispatch, combine = (dispatcher.dispatch_preprocess, dispatcher.token_dispatch,
+                                     dispatcher.token_combine)
+
+    def dispatch_preprocess(hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):  # noqa: ANN202
+        stats.add_routing(layer, routing_map.sum(dim=0).cpu().numpy())
+        return preprocess(hidden_states, routing_map, probs)
+
+    def token_dispatch(hidden_states: torch.Tensor, probs: torch.Tensor):  # noqa: ANN202
+        t0 = time.perf_counter()
+        out = dispatch(hidden_states, probs)
+        row = hidden_states.shape[-1] * hidden_states.element_size() + (0 if probs is None else probs.element_size())
+        stats.add(layer, "token_dispatch", "rail", _rows_sent(dispatcher.input_splits, dispatcher.ep_rank) * row,
+                  time.perf_counter() - t0)
+        return out
+
+    def token_combine(hidden_states: torch.Tensor):  # noqa: ANN202
+        t0 = time.perf_counter()
+        out = combine(hidden_states)
+        row = hidden_states.shape[-1] * hidden_states.element_size()
+        stats.add(layer, "token_combine", "rail", _rows_sent(dispatcher.output_splits, dispatcher.ep_rank) * row,
+                  time.perf_counter() - t0)
+        return out
+
+    dispatcher.dispatch_preprocess = dispatch_preprocess
+    dispatcher.token_dispatch = token_dispatch
+    dispatcher.token_combine = token_combine
+
+
+class HybridEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    def __init__(self, *args: Any, order: list[int], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.order = torch.as_tensor(order, dtype=torch.long)
+        self.identity = bool(torch.equal(self.order, torch.arange(len(order))))
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
+                            probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.identity:
+            order = self.order.to(routing_map.device)
+            routing_map, probs = routing_map[:, order], probs[:, order]
+        return super().dispatch_preprocess(hidden_states, routing_map, probs)

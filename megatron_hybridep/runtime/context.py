@@ -1,0 +1,85 @@
+"""The job-wide HybridEP runtime: the plans a job may switch between, their process groups, the
+active plan, the MoE layers in forward order (for prefetching) and the measurements.
+
+Knows nothing of Megatron: the layers it holds only need ``start_gather(plan_index)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch.distributed as dist
+
+from megatron_hybridep.plan.plan import Plan
+from megatron_hybridep.runtime.groups import PlanGroups, build_plan_groups, validate_for_job
+from megatron_hybridep.runtime.instrument import Stats
+
+log = logging.getLogger(__name__)
+
+
+class GatheringLayer(Protocol):
+    def start_gather(self) -> None: ...
+    def drop_gather(self) -> None: ...
+
+
+class HybridEPRuntime:
+    def __init__(self, plans: Sequence[Plan], ep_group: dist.ProcessGroup, active: int = 0,
+                 prefetch: bool = True) -> None:
+        if not plans:
+            raise ValueError("HybridEPRuntime needs at least one plan")
+        ep_size = dist.get_world_size(ep_group)
+        for plan in plans:  # all checks before the first collective
+            validate_for_job(plan, ep_size, plan.num_experts)
+        self.plans = list(plans)
+        self.groups: list[PlanGroups] = build_plan_groups(self.plans, ep_group)
+        self.active = active
+        self.prefetch = prefetch
+        self.stats = Stats()
+        self.layers: list[GatheringLayer] = []
+
+    @property
+    def plan(self) -> Plan:
+        return self.plans[self.active]
+
+    @property
+    def active_groups(self) -> PlanGroups:
+        return self.groups[self.active]
+
+    def register_layer(self, layer: GatheringLayer) -> int:
+        self.layers.append(layer)
+        return len(self.layers) - 1
+
+    def after_experts(self, index: int) -> None:
+        """Layer ``index`` has its experts: start the next layer's gather so it overlaps this
+        layer's combine and the next layer's attention."""
+        if self.prefetch and index + 1 < len(self.layers):
+            self.layers[index + 1].start_gather()
+
+    def after_optimizer_step(self) -> None:
+        """Parameters are final for the next iteration: start the first layer's gather."""
+        if self.prefetch and self.layers:
+            self.layers[0].start_gather()
+
+    def switch(self, plan_index: int) -> None:
+        """Activate another prebuilt plan at an iteration boundary. Owners keep their parameters,
+        gradients and optimizer state; borrowed copies are simply rebuilt under the new plan."""
+        if plan_index == self.active:
+            return
+        for layer in self.layers:
+            layer.drop_gather()
+        log.info("hybridep: plan %s -> %s", self.plan.label, self.plans[plan_index].label)
+        self.active = plan_index
+
+
+_RUNTIME: HybridEPRuntime | None = None
+
+
+def set_runtime(runtime: HybridEPRuntime | None) -> None:
+    global _RUNTIME
+    _RUNTIME = runtime
+
+
+def get_runtime() -> HybridEPRuntime | None:
+    return _RUNTIME

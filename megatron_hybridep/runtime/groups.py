@@ -1,0 +1,86 @@
+"""Process groups for a Plan: domains (expert all-gather) and rails (token all-to-all).
+
+Plans speak in EP-group-local ranks (0..G-1, the position in Megatron's expert-parallel group);
+this module maps them onto global ranks of every EP group in the job and creates the groups once,
+in the same order on every rank (torch.distributed.new_group is collective over the world).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megatron_hybridep.plan.plan import Plan, PlanError
+
+
+@dataclass(frozen=True)
+class PlanGroups:
+    """This rank's view of one plan: its groups and where it sits in them."""
+
+    plan: Plan
+    ep_rank: int
+    domain: dist.ProcessGroup
+    rail: dist.ProcessGroup
+    domain_ranks: tuple[int, ...]  # global ranks, in domain position order
+    rail_ranks: tuple[int, ...]
+
+    @property
+    def domain_position(self) -> int:
+        return self.plan.domain_of(self.ep_rank).index(self.ep_rank)
+
+    @property
+    def domain_index(self) -> int:
+        """Index of this rank's domain = its position in every rail (see check_grid_order)."""
+        return self.plan.rail_of(self.ep_rank).index(self.ep_rank)
+
+
+def check_grid_order(plan: Plan) -> None:
+    """The dispatcher relies on one fact of the grid: sorted by rank, every rail lists the domains
+    in the same order. Then 'rail position j' and 'domain j' are the same thing on every rail."""
+    domain_order = sorted(plan.domains, key=min)
+    index = {r: j for j, d in enumerate(domain_order) for r in d}
+    for rail in plan.rails:
+        got = [index[r] for r in sorted(rail)]
+        if got != list(range(len(domain_order))):
+            raise PlanError(f"plan {plan.label}: rail {rail} visits domains in order {got}; a HybridEP plan "
+                            "needs every rail to meet the domains in rank order (use Plan.grid)")
+
+
+def validate_for_job(plan: Plan, ep_size: int, num_experts: int) -> None:
+    """Everything that can be checked before any collective starts."""
+    plan.validate(ep_size, num_experts)
+    if plan.kind != "domains":
+        raise PlanError(f"plan kind {plan.kind!r} is not run by the hybridep dispatcher; the replicated plan "
+                        "is Megatron's own EP inside each DC (--moe-token-dispatcher-type alltoall with "
+                        f"--expert-model-parallel-size {plan.megatron_ep_size})")
+    check_grid_order(plan)
+
+
+def build_plan_groups(plans: list[Plan], ep_group: dist.ProcessGroup) -> list[PlanGroups]:
+    """Create domain and rail groups for each plan (collective over the world, call on all ranks
+    with the same plans in the same order). Returns this rank's PlanGroups per plan."""
+    ep_ranks = dist.get_process_group_ranks(ep_group)
+    ep_size, me = len(ep_ranks), dist.get_rank()
+    for plan in plans:
+        plan.validate(ep_size, plan.num_experts)
+    # Every EP group of the job, from each rank's own EP group (one small collective).
+    everyone: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, ep_ranks)
+    all_ep_groups = sorted({tuple(g) for g in everyone if g is not None})
+    out = []
+    for plan in plans:
+        mine: dict[str, tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
+        for kind, local_groups in (("domain", plan.domains), ("rail", plan.rails)):
+            for ep in all_ep_groups:
+                for local in local_groups:
+                    ranks = tuple(ep[i] for i in sorted(local))
+                    # new_group is collective even for groups this rank is not in. Size-1 groups
+                    # too: Megatron's dispatcher wants a real group for its EP argument.
+                    group = dist.new_group(list(ranks))
+                    if me in ranks:
+                        mine[kind] = (group, ranks)
+        ep_rank = ep_ranks.index(me)
+        out.append(PlanGroups(plan=plan, ep_rank=ep_rank, domain=mine["domain"][0], rail=mine["rail"][0],
+                              domain_ranks=mine["domain"][1], rail_ranks=mine["rail"][1]))
+    return out

@@ -1,0 +1,57 @@
+"""Per-step measurements of HybridEP's (and plain EP's) communication: bytes and time of each
+collective per layer and group kind, and tokens per expert. Cheap enough to leave on: a few dict
+updates per layer; read by the planner/scheduler, the benchmarks and the training log."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Record:
+    bytes: int = 0
+    seconds: float = 0.0
+    calls: int = 0
+    wall: float = 0.0  # issue-to-use time for asynchronous collectives (overlap = wall - seconds)
+
+
+@dataclass
+class Stats:
+    """Accumulates until ``reset()``; keys are (layer, phase, group kind)."""
+
+    records: dict[tuple[int, str, str], Record] = field(default_factory=lambda: defaultdict(Record))
+    tokens_per_expert: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def add(self, layer: int, phase: str, group: str, nbytes: int, seconds: float, wall: float = 0.0) -> None:
+        r = self.records[(layer, phase, group)]
+        r.bytes += int(nbytes)
+        r.seconds += seconds
+        r.wall += wall
+        r.calls += 1
+
+    def add_routing(self, layer: int, counts: np.ndarray) -> None:
+        prev = self.tokens_per_expert.get(layer)
+        self.tokens_per_expert[layer] = counts if prev is None else prev + counts
+
+    def bytes_by(self, *, phase: str | None = None, group: str | None = None) -> int:
+        return sum(r.bytes for (_, p, g), r in self.records.items()
+                   if (phase is None or p == phase) and (group is None or g == group))
+
+    def seconds_by(self, *, phase: str | None = None, group: str | None = None) -> float:
+        return sum(r.seconds for (_, p, g), r in self.records.items()
+                   if (phase is None or p == phase) and (group is None or g == group))
+
+    def summary(self) -> dict[str, float]:
+        """Flat figures for logs: bytes and seconds per phase."""
+        out: dict[str, float] = {}
+        for (_, phase, _), r in self.records.items():
+            out[f"{phase}_bytes"] = out.get(f"{phase}_bytes", 0) + r.bytes
+            out[f"{phase}_s"] = out.get(f"{phase}_s", 0.0) + r.seconds
+        return out
+
+    def reset(self) -> None:
+        self.records.clear()
+        self.tokens_per_expert.clear()
