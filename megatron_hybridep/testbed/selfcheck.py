@@ -1,0 +1,182 @@
+"""Self-check: measure namespace-to-namespace TCP throughput with plain Python sockets.
+
+The receiving socket lives in the destination DC's namespace, the sending one in the source
+DC's (created by a thread that joined the namespace), and the sender connects to the
+destination DC's address: the same path two ranks take. Bounded in bytes and time.
+Across DCs the TCP goodput should be within `tolerance` of min(uplink rates); it sits ~4.4%
+under the configured rate (TCP_GOODPUT_FRACTION) because tc counts the Ethernet/IP/TCP headers.
+Inside a DC it should be far (`intra_factor` x) above the fastest uplink.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from megatron_hybridep.testbed import netns
+from megatron_hybridep.testbed.sh import TestbedError
+
+if TYPE_CHECKING:
+    from megatron_hybridep.testbed.network import Testbed
+
+# TCP payload per wire byte that tc's rate counts, MTU 1500: 1448 B payload (TCP timestamps on)
+# in 1514 B frames (Ethernet 14 + IP 20 + TCP 32 header bytes). A cost model that predicts
+# transfer times on the testbed should use rate x this, not the configured rate.
+TCP_GOODPUT_FRACTION = 1448 / 1514
+CHUNK = 256 * 1024
+WARMUP_FRACTION = 0.2  # of the window: skip the token bucket's initial credit and slow start
+UNBOUNDED_BYTES = 4 << 30  # intra-DC / unshaped: the time limit ends it first
+
+
+@dataclass
+class Measurement:
+    src_dc: int
+    dst_dc: int
+    mbit: float  # measured TCP goodput
+    nbytes: int  # received in total
+    seconds: float  # receive window the rate was computed over
+    expected_mbit: float | None  # min of the uplinks; None inside a DC or unshaped
+    ok: bool = True
+    verdict: str = ""
+
+    @property
+    def intra(self) -> bool:
+        return self.src_dc == self.dst_dc
+
+    @property
+    def ratio(self) -> float | None:
+        return self.mbit / self.expected_mbit if self.expected_mbit else None
+
+
+@dataclass
+class SelfCheckReport:
+    testbed: str
+    tolerance: float
+    intra_factor: float
+    measurements: list[Measurement] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(m.ok for m in self.measurements)
+
+    def format(self) -> str:
+        lines = [self.testbed, f"  {'path':<12} {'configured':>11} {'measured':>10} {'ratio':>7}  verdict"]
+        for m in self.measurements:
+            path = f"dc{m.src_dc} -> dc{m.dst_dc}"
+            conf = "unshaped" if m.expected_mbit is None else f"{m.expected_mbit:.1f}"
+            ratio = "" if m.ratio is None else f"{m.ratio:.3f}"
+            lines.append(f"  {path:<12} {conf:>11} {m.mbit:>10.1f} {ratio:>7}  {m.verdict}")
+        lines.append(f"  (Mbit/s TCP goodput over {self.measurements[0].seconds:.2f} s windows)"
+                     if self.measurements else "  (nothing measured)")
+        lines.append(f"self-check: {'PASS' if self.ok else 'FAIL'}")
+        return "\n".join(lines)
+
+
+def measure_throughput(
+    tb: Testbed,
+    src_dc: int,
+    dst_dc: int,
+    *,
+    seconds: float = 1.0,
+    max_bytes: int | None = None,
+) -> Measurement:
+    """Send from a socket in src_dc's namespace to one in dst_dc's for ~`seconds`
+    (or `max_bytes`), and return the receiver's steady-state goodput."""
+    expected = tb.expected_mbit(src_dc, dst_dc)
+    if max_bytes is None:
+        # twice what the configured rate could carry: the time limit ends it, not the bytes
+        max_bytes = int(expected * 1e6 / 8 * seconds * 2) if expected else UNBOUNDED_BYTES
+    dst_addr = tb.address(dst_dc)
+    hard_timeout = seconds + 10.0
+
+    server = netns.socket_in_netns(tb.netns(dst_dc))
+    client = netns.socket_in_netns(tb.netns(src_dc))
+    samples: list[tuple[float, int]] = []
+    errors: list[BaseException] = []
+    try:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind((dst_addr, 0))
+        server.listen(1)
+        server.settimeout(hard_timeout)
+        port = server.getsockname()[1]
+
+        def receive() -> None:
+            try:
+                conn, _ = server.accept()
+                with conn:
+                    conn.settimeout(hard_timeout)
+                    buf = bytearray(1 << 20)
+                    total = 0
+                    while (n := conn.recv_into(buf)) > 0:
+                        total += n
+                        samples.append((time.monotonic(), total))
+            except BaseException as exc:  # reported by the caller
+                errors.append(exc)
+
+        receiver = threading.Thread(target=receive, name="selfcheck-recv", daemon=True)
+        receiver.start()
+        client.settimeout(hard_timeout)
+        client.connect((dst_addr, port))
+        payload = memoryview(bytes(CHUNK))
+        sent, stop = 0, time.monotonic() + seconds
+        while sent < max_bytes and time.monotonic() < stop:
+            client.sendall(payload)
+            sent += CHUNK
+        client.shutdown(socket.SHUT_WR)  # EOF: the receiver drains the queues and ends
+        receiver.join(hard_timeout)
+        if receiver.is_alive():
+            raise TestbedError(f"self-check dc{src_dc} -> dc{dst_dc}: receiver did not finish")
+    finally:
+        client.close()
+        server.close()
+    if errors:
+        raise TestbedError(f"self-check dc{src_dc} -> dc{dst_dc} failed: {errors[0]}") from errors[0]
+    if len(samples) < 2:
+        raise TestbedError(f"self-check dc{src_dc} -> dc{dst_dc}: too little data received")
+
+    t_first, t_last = samples[0][0], samples[-1][0]
+    t_window = t_first + WARMUP_FRACTION * (t_last - t_first)
+    start = next(s for s in samples if s[0] >= t_window)
+    window = max(t_last - start[0], 1e-9)
+    mbit = (samples[-1][1] - start[1]) * 8 / window / 1e6
+    return Measurement(src_dc, dst_dc, mbit, samples[-1][1], window, expected)
+
+
+def selfcheck(
+    tb: Testbed,
+    *,
+    seconds: float = 1.0,
+    tolerance: float = 0.10,
+    intra_factor: float = 5.0,
+) -> SelfCheckReport:
+    """Check every uplink in both directions (dc i -> dc i+1, cyclic) and DC 0 internally.
+
+    Cross-DC: |measured / min(uplinks) - 1| <= tolerance. Intra-DC: measured >=
+    intra_factor x the fastest configured uplink. Unshaped paths are reported, not judged.
+    """
+    report = SelfCheckReport(tb.describe(), tolerance, intra_factor)
+    pairs = [(dc, (dc + 1) % tb.dcs) for dc in range(tb.dcs)] if tb.dcs > 1 else []
+    pairs.append((0, 0))
+    shaped = [r for r in tb.rates() if r is not None]
+    for src, dst in pairs:
+        m = measure_throughput(tb, src, dst, seconds=seconds)
+        if m.intra:
+            if shaped:
+                need = intra_factor * max(shaped)
+                m.ok = m.mbit >= need
+                verdict = "ok" if m.ok else "FAIL"
+                m.verdict = f"{verdict}: intra-DC, need >= {need:.0f} ({intra_factor:g}x uplink)"
+            else:
+                m.verdict = "intra-DC (nothing shaped)"
+        elif m.expected_mbit is None:
+            m.verdict = "unshaped (not judged)"
+        else:
+            assert m.ratio is not None
+            m.ok = abs(m.ratio - 1) <= tolerance
+            m.verdict = f"{'ok' if m.ok else 'FAIL'}: within {tolerance:.0%}" if m.ok else \
+                f"FAIL: off by {abs(m.ratio - 1):.1%} (> {tolerance:.0%})"
+        report.measurements.append(m)
+    return report

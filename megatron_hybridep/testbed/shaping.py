@@ -1,0 +1,174 @@
+"""tc shaping of one end of a DC uplink: HTB for the rate, netem (child of HTB) for delay/jitter.
+
+Layout on a shaped device:  root 1: htb default 1  ->  class 1:1 (rate = ceil)  [-> 10: netem]
+A single HTB class (not TBF) lets `set_rate` change the rate with `tc class change` while traffic
+flows, without resetting the queue. The uplink is shaped on both ends of its veth pair (egress of
+the DC side and egress of the switch-side port), so both directions are limited.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from megatron_hybridep.testbed.sh import TestbedError, sh
+
+_RATE_UNITS_BIT = {"": 1e6, "bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+# tc's "bps" units mean bytes per second
+_RATE_UNITS_BYTE = {"bps": 8.0, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+_TIME_UNITS = {"": 1.0, "ms": 1.0, "msec": 1.0, "s": 1e3, "sec": 1e3, "us": 1e-3, "usec": 1e-3}
+_NUM = r"(\d+(?:\.\d*)?|\.\d+)"
+
+
+def parse_rate_mbit(text: str | float | int | None) -> float | None:
+    """'100mbit' -> 100.0; '1gbit' -> 1000.0; '12.5mbps' (bytes) -> 100.0; bare number = Mbit/s.
+
+    'none', 'off', 'unlimited', '' and None mean unshaped (returns None).
+    """
+    if text is None:
+        return None
+    if isinstance(text, int | float):
+        value = float(text)
+    else:
+        s = text.strip().lower()
+        if s in ("", "none", "off", "unlimited", "0"):
+            return None
+        m = re.fullmatch(_NUM + r"\s*([a-z]*)", s)
+        if not m:
+            raise TestbedError(f"cannot parse rate {text!r}: use e.g. 100mbit, 1gbit, 500kbit")
+        num, unit = float(m.group(1)), m.group(2)
+        if unit in _RATE_UNITS_BIT:
+            value = num * _RATE_UNITS_BIT[unit] / 1e6
+        elif unit in _RATE_UNITS_BYTE:
+            value = num * _RATE_UNITS_BYTE[unit] / 1e6
+        else:
+            raise TestbedError(f"unknown rate unit {unit!r} in {text!r}: use bit, kbit, mbit, gbit")
+    if value <= 0:
+        raise TestbedError(f"rate must be positive, got {text!r}")
+    return value
+
+
+def parse_time_ms(text: str | float | int | None) -> float:
+    """'5ms' -> 5.0; '1s' -> 1000.0; '200us' -> 0.2; bare number = ms; None/'' -> 0."""
+    if text is None:
+        return 0.0
+    if isinstance(text, int | float):
+        value = float(text)
+    else:
+        s = text.strip().lower()
+        if not s:
+            return 0.0
+        m = re.fullmatch(_NUM + r"\s*([a-z]*)", s)
+        if not m or m.group(2) not in _TIME_UNITS:
+            raise TestbedError(f"cannot parse time {text!r}: use e.g. 5ms, 0.5ms, 200us, 1s")
+        value = float(m.group(1)) * _TIME_UNITS[m.group(2)]
+    if value < 0:
+        raise TestbedError(f"time must not be negative, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class LinkShape:
+    """What one end of an uplink does to its egress traffic."""
+
+    rate_mbit: float | None = None  # None: no rate limit
+    delay_ms: float = 0.0  # added one-way latency (netem)
+    jitter_ms: float = 0.0  # +- variation of the delay (netem; reorders packets)
+
+    @property
+    def needs_netem(self) -> bool:
+        return self.delay_ms > 0 or self.jitter_ms > 0
+
+
+def _fmt_rate(mbit: float) -> str:
+    return f"{round(mbit * 1000)}kbit"  # integer kbit: tc accepts no exponent notation
+
+
+def _htb_params(mbit: float) -> list[str]:
+    bytes_per_s = mbit * 1e6 / 8
+    # burst: ~1 ms at the rate but at least one 64 KiB GSO super-packet, so HTB never stalls on
+    # a large skb and short measurements are barely inflated by the bucket's initial credit.
+    burst = max(int(bytes_per_s * 1e-3), 70_000)
+    # single class: quantum only matters for the "quantum is big" warning; keep it in range
+    quantum = min(200_000, max(1_600, int(bytes_per_s / 10)))
+    rate = _fmt_rate(mbit)
+    return ["rate", rate, "ceil", rate, "burst", str(burst), "cburst", str(burst), "quantum", str(quantum)]
+
+
+def _netem_params(shape: LinkShape, rate_mbit: float | None) -> list[str]:
+    params = ["delay", f"{shape.delay_ms:g}ms"]
+    if shape.jitter_ms > 0:
+        params.append(f"{shape.jitter_ms:g}ms")
+    # the netem queue must hold a bandwidth-delay product of packets, or it drops and TCP backs off
+    bdp_pkts = int((rate_mbit or 10_000) * 1e6 / 8 * (shape.delay_ms + shape.jitter_ms) / 1e3 / 1500)
+    params += ["limit", str(max(1000, 4 * bdp_pkts))]
+    return params
+
+
+def _netem_missing(exc: TestbedError) -> TestbedError:
+    return TestbedError(
+        "the netem qdisc (needed for --delay/--jitter) is not available in this kernel "
+        f"({exc}). Fix: `modprobe sch_netem` (package linux-modules-extra-$(uname -r) on Ubuntu), "
+        "or run without delay/jitter."
+    )
+
+
+def _htb_missing(exc: TestbedError) -> TestbedError:
+    return TestbedError(
+        f"the htb qdisc (needed for the rate limit) is not available in this kernel ({exc}). "
+        "Fix: `modprobe sch_htb`, or run with --rate none."
+    )
+
+
+def clear(ns: str, dev: str) -> None:
+    sh(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
+
+
+def apply(ns: str, dev: str, shape: LinkShape) -> None:
+    """Replace whatever shapes dev's egress in ns with `shape`."""
+    clear(ns, dev)
+    tc = ["tc", "-n", ns]
+    if shape.rate_mbit is not None:
+        try:
+            sh([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"])
+        except TestbedError as exc:
+            if "unknown" in str(exc).lower():
+                raise _htb_missing(exc) from exc
+            raise
+        sh([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+            *_htb_params(shape.rate_mbit)])
+        parent = ["parent", "1:1", "handle", "10:"]
+    else:
+        parent = ["root", "handle", "10:"]
+    if shape.needs_netem:
+        try:
+            sh([*tc, "qdisc", "add", "dev", dev, *parent, "netem", *_netem_params(shape, shape.rate_mbit)])
+        except TestbedError as exc:
+            if "unknown" in str(exc).lower():
+                raise _netem_missing(exc) from exc
+            raise
+
+
+def change_rate(ns: str, dev: str, old: LinkShape, new_rate_mbit: float | None) -> LinkShape:
+    """Change the rate of a shaped end; live (`tc class change`) when HTB is already there."""
+    new = LinkShape(new_rate_mbit, old.delay_ms, old.jitter_ms)
+    if old.rate_mbit is not None and new_rate_mbit is not None:
+        sh(["tc", "-n", ns, "class", "change", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+            *_htb_params(new_rate_mbit)])
+    else:
+        apply(ns, dev, new)  # adding or removing the rate limit changes the qdisc tree
+    return new
+
+
+def netem_available(ns: str, dev: str) -> bool:
+    """Probe: can a netem qdisc be attached here? (Leaves dev unshaped.)"""
+    proc = sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "netem", "delay", "1ms"], check=False)
+    clear(ns, dev)
+    return proc.returncode == 0
+
+
+def show(ns: str, dev: str) -> str:
+    """tc's view of dev's qdiscs and classes (for `status`)."""
+    qd = sh(["tc", "-n", ns, "qdisc", "show", "dev", dev], check=False).stdout.strip()
+    cl = sh(["tc", "-n", ns, "class", "show", "dev", dev], check=False).stdout.strip()
+    return "\n".join(x for x in (qd, cl) if x)
