@@ -33,15 +33,21 @@ def expert_order(plan: Plan, local_experts: int) -> list[int]:
             for i in range(local_experts)]
 
 
-def _rows_sent(splits: Any, me: int) -> int:
-    """Rows this rank sends to other ranks (its own chunk never leaves the process)."""
-    if splits is None:
-        return 0
-    s = np.asarray(splits.cpu() if torch.is_tensor(splits) else splits)
-    return int(s.sum() - s[me])
+def _record(stats: Stats, layer: int, phase: str, splits: Any, me: int, row_bytes: int,
+            levels: tuple[str, ...] | None, seconds: float) -> None:
+    """Bytes this rank sends to each other rank (its own chunk never leaves the process), summed
+    per link level, plus the call's time."""
+    stats.add(layer, phase, "rail", 0, seconds)
+    if splits is None:  # a one-rank rail: nothing is sent
+        return
+    rows = np.asarray(splits.cpu() if torch.is_tensor(splits) else splits)
+    for pos, n in enumerate(rows.tolist()):
+        if pos != me and n:
+            stats.add(layer, phase, "rail", n * row_bytes, 0.0, level=levels[pos] if levels else "all")
 
 
-def instrument(dispatcher: MoEAlltoAllTokenDispatcher, stats: Stats, layer: int) -> None:
+def instrument(dispatcher: MoEAlltoAllTokenDispatcher, stats: Stats, layer: int,
+               levels: tuple[str, ...] | None = None) -> None:
     """Count routing, bytes sent to other ranks and time of an all-to-all dispatcher instance
     (hybridep or Megatron's own, so both are measured the same way). Backward traffic is the
     transpose of the forward: same bytes, reverse direction."""
@@ -56,16 +62,16 @@ def instrument(dispatcher: MoEAlltoAllTokenDispatcher, stats: Stats, layer: int)
         t0 = time.perf_counter()
         out = dispatch(hidden_states, probs)
         row = hidden_states.shape[-1] * hidden_states.element_size() + (0 if probs is None else probs.element_size())
-        stats.add(layer, "token_dispatch", "rail", _rows_sent(dispatcher.input_splits, dispatcher.ep_rank) * row,
-                  time.perf_counter() - t0)
+        _record(stats, layer, "token_dispatch", dispatcher.input_splits, dispatcher.ep_rank, row, levels,
+                time.perf_counter() - t0)
         return out
 
     def token_combine(hidden_states: torch.Tensor):  # noqa: ANN202
         t0 = time.perf_counter()
         out = combine(hidden_states)
         row = hidden_states.shape[-1] * hidden_states.element_size()
-        stats.add(layer, "token_combine", "rail", _rows_sent(dispatcher.output_splits, dispatcher.ep_rank) * row,
-                  time.perf_counter() - t0)
+        _record(stats, layer, "token_combine", dispatcher.output_splits, dispatcher.ep_rank, row, levels,
+                time.perf_counter() - t0)
         return out
 
     dispatcher.dispatch_preprocess = dispatch_preprocess

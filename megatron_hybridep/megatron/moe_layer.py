@@ -97,8 +97,8 @@ class HybridEPMoELayer(MoELayer):
         gather = None
         if domain_size > 1:
             gather = DomainGather(list(self.experts.named_parameters()), groups.domain, groups.domain_position,
-                                  layer=self._layer_key(), stats=self._runtime.stats)
-        instrument(dispatcher, self._runtime.stats, self._layer_key())
+                                  layer=self._layer_key(), stats=self._runtime.stats, levels=groups.domain_levels)
+        instrument(dispatcher, self._runtime.stats, self._layer_key(), groups.rail_levels)
         return dispatcher, gather
 
     def _layer_key(self) -> int:

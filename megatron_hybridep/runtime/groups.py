@@ -26,6 +26,15 @@ class PlanGroups:
     rail_ranks: tuple[int, ...]
 
     @property
+    def rail_levels(self) -> tuple[str, ...]:
+        """Per rail position, the link level traffic from this rank to it crosses."""
+        return tuple(crossing_level(self.plan, self.ep_rank, r) for r in self.plan.rail_of(self.ep_rank))
+
+    @property
+    def domain_levels(self) -> tuple[str, ...]:
+        return tuple(crossing_level(self.plan, self.ep_rank, r) for r in self.plan.domain_of(self.ep_rank))
+
+    @property
     def domain_position(self) -> int:
         return self.plan.domain_of(self.ep_rank).index(self.ep_rank)
 
@@ -33,6 +42,15 @@ class PlanGroups:
     def domain_index(self) -> int:
         """Index of this rank's domain = its position in every rail (see check_grid_order)."""
         return self.plan.rail_of(self.ep_rank).index(self.ep_rank)
+
+
+def crossing_level(plan: Plan, a: int, b: int) -> str:
+    """Name of the coarsest level at which EP ranks a and b differ ('local' if a == b): the link
+    class their traffic uses (e.g. 'dc' = an inter-DC link)."""
+    for name, ca, cb in zip(plan.level_names, plan.coords(a), plan.coords(b), strict=True):
+        if ca != cb:
+            return name
+    return "local"
 
 
 def check_grid_order(plan: Plan) -> None:

@@ -20,13 +20,15 @@ class Record:
 
 @dataclass
 class Stats:
-    """Accumulates until ``reset()``; keys are (layer, phase, group kind)."""
+    """Accumulates until ``reset()``; keys are (layer, phase, group kind, link level), the level
+    being the coarsest topology level the bytes cross ('dc' = inter-DC links)."""
 
-    records: dict[tuple[int, str, str], Record] = field(default_factory=lambda: defaultdict(Record))
+    records: dict[tuple[int, str, str, str], Record] = field(default_factory=lambda: defaultdict(Record))
     tokens_per_expert: dict[int, np.ndarray] = field(default_factory=dict)
 
-    def add(self, layer: int, phase: str, group: str, nbytes: int, seconds: float, wall: float = 0.0) -> None:
-        r = self.records[(layer, phase, group)]
+    def add(self, layer: int, phase: str, group: str, nbytes: int, seconds: float, wall: float = 0.0,
+            level: str = "all") -> None:
+        r = self.records[(layer, phase, group, level)]
         r.bytes += int(nbytes)
         r.seconds += seconds
         r.wall += wall
@@ -36,18 +38,21 @@ class Stats:
         prev = self.tokens_per_expert.get(layer)
         self.tokens_per_expert[layer] = counts if prev is None else prev + counts
 
-    def bytes_by(self, *, phase: str | None = None, group: str | None = None) -> int:
-        return sum(r.bytes for (_, p, g), r in self.records.items()
-                   if (phase is None or p == phase) and (group is None or g == group))
+    def _select(self, phase: str | None, group: str | None, level: str | None) -> list[Record]:
+        return [r for (_, p, g, lv), r in self.records.items()
+                if (phase is None or p == phase) and (group is None or g == group) and (level is None or lv == level)]
 
-    def seconds_by(self, *, phase: str | None = None, group: str | None = None) -> float:
-        return sum(r.seconds for (_, p, g), r in self.records.items()
-                   if (phase is None or p == phase) and (group is None or g == group))
+    def bytes_by(self, *, phase: str | None = None, group: str | None = None, level: str | None = None) -> int:
+        return sum(r.bytes for r in self._select(phase, group, level))
+
+    def seconds_by(self, *, phase: str | None = None, group: str | None = None, level: str | None = None) -> float:
+        """Seconds per phase. Per-level records carry bytes only (time is counted once, at 'all')."""
+        return sum(r.seconds for r in self._select(phase, group, level))
 
     def summary(self) -> dict[str, float]:
         """Flat figures for logs: bytes and seconds per phase."""
         out: dict[str, float] = {}
-        for (_, phase, _), r in self.records.items():
+        for (_, phase, _, _), r in self.records.items():
             out[f"{phase}_bytes"] = out.get(f"{phase}_bytes", 0) + r.bytes
             out[f"{phase}_s"] = out.get(f"{phase}_s", 0.0) + r.seconds
         return out

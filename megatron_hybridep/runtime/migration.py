@@ -31,33 +31,47 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, flat_own: torch.Tensor, pending: _Pending, group: dist.ProcessGroup,  # noqa: ANN001
-                stats: Stats | None, layer: int) -> torch.Tensor:
+                stats: Stats | None, layer: int, levels: tuple[str, ...], position: int) -> torch.Tensor:
         ctx.group, ctx.stats, ctx.layer, ctx.numel = group, stats, layer, flat_own.numel()
+        ctx.levels, ctx.position = levels, position
         if pending.handle is not None:
             pending.handle.wait()
         return pending.buffer
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        size = dist.get_world_size(ctx.group)
         out = grad.new_empty(ctx.numel)
         t0 = time.perf_counter()
         dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
         if ctx.stats is not None:
-            ctx.stats.add(ctx.layer, "grad_return", "domain", (size - 1) * out.numel() * out.element_size(),
-                          time.perf_counter() - t0)
-        return out, None, None, None, None
+            ctx.stats.add(ctx.layer, "grad_return", "domain", 0, time.perf_counter() - t0)
+            _count_peer_bytes(ctx.stats, ctx.layer, "grad_return", ctx.levels, ctx.position,
+                              out.numel() * out.element_size())
+        return out, None, None, None, None, None, None
+
+
+def _count_peer_bytes(stats: Stats | None, layer: int, phase: str, levels: Sequence[str], me: int,
+                      nbytes: int) -> None:
+    """One chunk of ``nbytes`` to every other domain member, counted per link level."""
+    if stats is None:
+        return
+    for pos, level in enumerate(levels):
+        if pos != me:
+            stats.add(layer, phase, "domain", nbytes, 0.0, level=level)
 
 
 class DomainGather:
     """All-gather of one MoE layer's expert parameters across a domain."""
 
     def __init__(self, params: Sequence[tuple[str, torch.nn.Parameter]], group: dist.ProcessGroup,
-                 position: int, layer: int = 0, stats: Stats | None = None) -> None:
+                 position: int, layer: int = 0, stats: Stats | None = None,
+                 levels: Sequence[str] | None = None) -> None:
         self.names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.group, self.position, self.layer, self.stats = group, position, layer, stats
         self.size = dist.get_world_size(group)
+        # link level towards each domain position, for per-level byte counts
+        self.levels = tuple(levels) if levels is not None else ("all",) * self.size
         self.numel = sum(p.numel() for p in self.params)
         self._pending: _Pending | None = None
 
@@ -86,11 +100,12 @@ class DomainGather:
         assert pending is not None
         flat_own = torch.cat([p.reshape(-1) for p in self.params])  # the autograd path to the owners
         t0 = time.perf_counter()
-        gathered = _Gathered.apply(flat_own, pending, self.group, self.stats, self.layer)
+        gathered = _Gathered.apply(flat_own, pending, self.group, self.stats, self.layer, self.levels,
+                                   self.position)
         if self.stats is not None:
-            self.stats.add(self.layer, "expert_gather", "domain",
-                           (self.size - 1) * self.bytes_per_rank, time.perf_counter() - t0,
+            self.stats.add(self.layer, "expert_gather", "domain", 0, time.perf_counter() - t0,
                            wall=time.perf_counter() - pending.started)
+            self._count_bytes("expert_gather")
         out: list[dict[str, torch.Tensor] | None] = []
         for q, chunk in enumerate(gathered.split(self.numel)):
             if q == self.position:
@@ -102,6 +117,9 @@ class DomainGather:
                 offset += p.numel()
             out.append(views)
         return out
+
+    def _count_bytes(self, phase: str) -> None:
+        _count_peer_bytes(self.stats, self.layer, phase, self.levels, self.position, self.bytes_per_rank)
 
     def drop(self) -> None:
         """Forget an in-flight gather (plan switch): wait so the buffer is not written later."""
