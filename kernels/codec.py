@@ -133,9 +133,11 @@ def residual_topk_encode_torch(
     counts: torch.Tensor,
 ) -> None:
     """Torch reference of :func:`residual_topk_encode` (same arguments)."""
-    r = weight.reshape(-1).float()
+    w = weight.reshape(-1)
+    r = w.float()
     if shared is not None:
-        r = r - shared.reshape(-1).float()
+        # fp32 math either way; in place when .float() made a copy (saves a pass and a buffer).
+        r = r - shared.reshape(-1) if w.dtype == torch.float32 else r.sub_(shared.reshape(-1))
     n = r.numel()
     # Integer magnitudes: same order as |r| for finite floats, and +0/-0 compare equal.
     mag = r.view(torch.int32) & 0x7FFFFFFF
@@ -144,10 +146,10 @@ def residual_topk_encode_torch(
     else:
         thr = kth_largest(mag, k)
         sel = mag >= thr
-        if int(sel.sum()) > k:  # ties at the threshold: keep the lowest-index ones
-            gt = mag > thr
-            eq = sel & ~gt
-            sel = gt | (eq & (eq.cumsum(0) <= k - gt.sum()))
+        surplus = int(torch.count_nonzero(sel)) - k
+        if surplus > 0:  # ties at the threshold: drop the highest-index ones
+            ties = torch.nonzero(mag == thr).squeeze(1)
+            sel[ties[ties.numel() - surplus:]] = False
         idx = torch.nonzero_static(sel, size=k).squeeze(1)
     values.copy_(r[idx])
     if block_bits >= 32:
@@ -222,22 +224,23 @@ def sparse_residual_decode_torch(
     out: torch.Tensor,
     alpha: float = 1.0,
 ) -> torch.Tensor:
-    """Torch reference of :func:`sparse_residual_decode` (same arguments)."""
-    flat_out = out.view(-1)
-    if out.dtype == torch.float32:
-        acc = flat_out  # accumulate in place (base may alias out)
-        if base is None:
-            acc.zero_()
-        elif base.data_ptr() != out.data_ptr():
-            acc.copy_(base.reshape(-1))
-    elif base is None:
-        acc = torch.zeros(out.numel(), dtype=torch.float32, device=out.device)
+    """Torch reference of :func:`sparse_residual_decode` (same arguments).
+
+    One dense copy of base, then O(k) work on the kept entries only: every output element is
+    round(float32(base) + alpha * value) or round(float32(base)), exactly as the Triton kernel.
+    """
+    flat = out.view(-1)
+    idx = absolute_indices(offsets, counts, block_bits)
+    if base is None:
+        kept = torch.zeros(idx.numel(), dtype=torch.float32, device=out.device)
+        flat.zero_()
     else:
-        acc = base.reshape(-1).float().clone()
-    if values.numel():
-        acc.index_add_(0, absolute_indices(offsets, counts, block_bits), values.float(), alpha=alpha)
-    if acc is not flat_out:
-        flat_out.copy_(acc)
+        b = base.reshape(-1)
+        kept = b[idx].float()  # gathered before any write: base may alias out
+        if b.data_ptr() != flat.data_ptr():
+            flat.copy_(b)
+    kept.add_(values.float(), alpha=alpha)
+    flat[idx] = kept.to(out.dtype)
     return out
 
 
@@ -252,7 +255,8 @@ def sparse_residual_decode(
     *,
     backend: Backend = "auto",
 ) -> torch.Tensor:
-    """out = base + alpha * scatter(values at offsets/counts); base None = zeros; base may alias out.
+    """out = base + alpha * scatter(values at offsets/counts); base None = zeros; base may be
+    ``out`` itself (in-place accumulate; other overlaps are not supported).
 
     The dense copy of base is fused with the scatter: every output element is written once.
     Returns out.

@@ -405,6 +405,36 @@ class SharedResidualCodec:
                       dtype=dtype, backend=self.backend)
 
 
+    def encode_batch(self, weights: torch.Tensor | Sequence[torch.Tensor], shared: torch.Tensor | None = None,
+                     *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Encode E same-shaped experts into one flat uint8 buffer of E slots of ``nbytes`` each
+        (slot e = expert e; slots stay 16-byte aligned), e.g. the input of a domain all-gather.
+        ``weights``: a [E, ...] tensor (such as a view of a rank's flat expert buffer) or a list."""
+        ws = list(weights.unbind(0)) if isinstance(weights, torch.Tensor) else list(weights)
+        if not ws:
+            raise ValueError("no experts to encode")
+        nb = self.nbytes(ws[0].numel(), ws[0].dtype)
+        buf = torch.empty(len(ws) * nb, dtype=torch.uint8, device=ws[0].device) if out is None else out.view(-1)
+        if buf.numel() != len(ws) * nb:
+            raise ValueError(f"out has {buf.numel()} bytes, {len(ws)} experts need {len(ws) * nb}")
+        for e, w in enumerate(ws):
+            self.encode(w, shared, out=buf[e * nb:(e + 1) * nb])
+        return buf
+
+    def decode_batch(self, payloads: torch.Tensor, shared: torch.Tensor | None = None, *,
+                     out: torch.Tensor, src_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Decode a buffer of E slots (as made by :meth:`encode_batch`, or an all-gather output)
+        into ``out`` of shape [E, ...]. Returns out."""
+        flat = payloads.reshape(-1)
+        e_count = out.shape[0]
+        nb = self.nbytes(out[0].numel(), src_dtype or out.dtype)
+        if flat.numel() != e_count * nb:
+            raise ValueError(f"payloads have {flat.numel()} bytes, {e_count} experts need {e_count * nb}")
+        for e in range(e_count):
+            self.decode(flat[e * nb:(e + 1) * nb], shared, out=out[e], src_dtype=src_dtype)
+        return out
+
+
 class TopKCodec(SharedResidualCodec):
     """Plain top-k of the weight itself (shared = 0): the ablation baseline."""
 
@@ -472,6 +502,13 @@ class SharedExpertRule:
         if not initialised:
             return True
         return self.refresh_every > 0 and step > 0 and step % self.refresh_every == 0
+
+    def sync_bytes_per_step(self, numel: int, dtype: torch.dtype) -> float:
+        """Average all-reduce payload per step and MoE layer for the planner (the all-reduce of
+        one dense expert every ``refresh_every`` steps; 0 when frozen)."""
+        if self.refresh_every == 0:
+            return 0.0
+        return numel * _itemsize(dtype) / self.refresh_every
 
     def maybe_refresh(
         self,

@@ -13,6 +13,9 @@ def test_off_is_exact_and_stateless():
     assert p.numel() == ef.nbytes(g.numel(), g.dtype)
     assert torch.equal(ef.decompress(p, shape=g.shape, dtype=g.dtype), g)
     assert ef.residual("w1") is None and ef.state_nbytes == 0
+    acc = torch.ones(4, 300, dtype=torch.bfloat16)
+    ef.decompress(p, out=acc, accumulate=True)
+    assert torch.equal(acc, (1 + g.float()).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype,vdt", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)])

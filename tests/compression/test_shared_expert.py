@@ -70,6 +70,8 @@ def test_refresh_schedule():
     assert not any(frozen.due(s) for s in range(100)) and frozen.due(7, initialised=False)
     with pytest.raises(ValueError):
         SharedExpertRule(-1)
+    assert rule.sync_bytes_per_step(1000, torch.bfloat16) == 2000 / 5
+    assert frozen.sync_bytes_per_step(1000, torch.bfloat16) == 0
 
 
 def test_maybe_refresh_follows_the_experts_and_cuts_error_after_drift():

@@ -220,3 +220,20 @@ def test_roundtrip_property(n, ratio, dt, use_shared, seed):
     eps = 1e-6 if dt == torch.float32 else 4e-3
     err = (dec.float() - w.float()).norm().item()
     assert abs(err - dropped.norm().item()) <= eps * (1 + (w.float()).norm().item())
+
+
+def test_batch_encode_decode_matches_single():
+    n, e, dtype = 2500, 3, torch.bfloat16
+    codec = SharedResidualCodec(25)
+    shared = _expert(n, dtype, 100).view(50, 50)
+    flat_own = torch.stack([_expert(n, dtype, s) for s in range(e)]).view(e, 50, 50)
+    buf = codec.encode_batch(flat_own, shared)
+    nb = codec.nbytes(n, dtype)
+    assert buf.numel() == e * nb
+    out = torch.empty_like(flat_own)
+    codec.decode_batch(buf.view(e, nb), shared, out=out)
+    for i in range(e):
+        assert torch.equal(buf[i * nb:(i + 1) * nb], codec.encode(flat_own[i], shared))
+        assert torch.equal(out[i], codec.decode(codec.encode(flat_own[i], shared), shared))
+    with pytest.raises(ValueError):
+        codec.decode_batch(buf[:-16], shared, out=out)

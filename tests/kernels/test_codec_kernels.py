@@ -23,6 +23,17 @@ def test_triton_kernels_match_torch_under_interpreter():
     assert "ALL OK" in proc.stdout and "MISMATCH" not in proc.stdout
 
 
+def test_triton_kernels_compile_for_sm90_without_a_gpu():
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(REPO / "tests/kernels/aot_compile.py")], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    print(proc.stdout)
+    if proc.stdout.startswith("SKIP"):
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ALL OK" in proc.stdout
+
+
 def test_dispatcher_uses_torch_on_cpu_without_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     t = torch.zeros(4)
