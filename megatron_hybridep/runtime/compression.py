@@ -40,6 +40,18 @@ being 1/ratio. The byte ratio (dense bytes / payload bytes) is lower because ind
 see :attr:`PayloadLayout.byte_ratio`. ``ratio_of="bytes"`` instead picks the largest k whose
 payload fits in dense_bytes / ratio. Ratio <= 1, or any ratio where the sparse payload would not
 be smaller than the dense one, sends the dense tensor: exact.
+
+Use in the runtime (one MoE layer, E local experts of n parameters each, domain of S ranks)
+-----------------------------------------------------------------------------------------
+    codec = SharedResidualCodec(50)                      # planner: codec.nbytes(n, dtype) per expert
+    shared = rule.maybe_refresh(step, shared, own, E_total, reduce_sum)   # after optimizer.step()
+    send = codec.encode_batch(own.view(E, n), shared)    # [E * nbytes], owners keep exact weights
+    all_gather_into_tensor(recv, send, group=domain)     # recv: [S * E * nbytes]
+    codec.decode_batch(recv[peer slots], shared, out=borrowed.view(E, n))   # just before compute
+    # backward, borrower side:  p = ef.compress((layer, expert), grad_of_borrowed_copy)
+    # owner side:               ef.decompress(p, out=owner_grad, accumulate=True)
+Memory: a payload buffer of S * E * nbytes per layer in flight; the error-feedback compressor
+keeps one float32 accumulator per borrowed expert (4 bytes x n).
 """
 
 from __future__ import annotations
@@ -85,7 +97,7 @@ def _nblocks(numel: int, scheme: IndexScheme) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 @dataclass(frozen=True)
