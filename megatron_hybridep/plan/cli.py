@@ -1,0 +1,216 @@
+"""`hybridep plan`: cost every feasible plan for a topology and a model, print them, mark the choice."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from megatron_hybridep.plan.cost import bytes_human, seconds_human
+from megatron_hybridep.plan.errors import PlanError
+from megatron_hybridep.plan.planner import (
+    COST_MODELS,
+    Candidate,
+    PlanningResult,
+    choose_plan,
+    choose_plan_all_ep_sizes,
+)
+from megatron_hybridep.plan.topology import Topology
+from megatron_hybridep.plan.workload import Workload, load_routing_counts, zipf_routing
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Pick expert domains (which ranks all-gather each other's experts) and rails (which "
+                          "exchange tokens) for an EP group: prints every candidate plan with its predicted "
+                          "time per iteration and marks the choice.")
+    parser.epilog = ("example: hybridep plan --topology configs/topologies/2dc_x_8.yaml "
+                     "--model configs/models/paper-l.yaml --compression-ratio 50 --out plan.json")
+    where = parser.add_argument_group("where the ranks are")
+    where.add_argument("--topology", metavar="T.yaml",
+                       help="topology YAML (configs/topologies/); with --slurm it supplies the link speeds")
+    where.add_argument("--slurm", metavar="DCMAP",
+                       help="build the topology from this SLURM allocation: DCMAP maps host patterns to DCs "
+                            "(YAML with datacenters/levels, or text lines 'PATTERN DC')")
+    what = parser.add_argument_group("what the model sends")
+    what.add_argument("--model", required=True, metavar="M.yaml", help="model YAML (configs/models/)")
+    what.add_argument("--tokens-per-rank", type=int, metavar="N", help="tokens per rank per micro-batch")
+    what.add_argument("--micro-batches", type=int, metavar="N", help="gradient-accumulation steps per iteration")
+    what.add_argument("--top-k", type=int, metavar="K", help="experts per token")
+    what.add_argument("--compression-ratio", type=float, metavar="R",
+                      help="ship experts as shared + top-k residual keeping 1/R of the values (indices counted)")
+    what.add_argument("--grad-compression-ratio", type=float, metavar="R",
+                      help="the same for the gradients returned to expert owners")
+    what.add_argument("--expert-bytes", type=float, metavar="BYTES",
+                      help="bytes per shipped expert measured from a codec (overrides --compression-ratio)")
+    what.add_argument("--shared-sync-bytes", type=float, metavar="BYTES",
+                      help="bytes per MoE layer all-reduced in the domain to keep the shared expert in sync "
+                           "(default: one expert gradient when compressed; 0 = none)")
+    what.add_argument("--t-pre-ms", type=float, metavar="MS",
+                      help="measured compute before the experts per MoE layer (forward), instead of the estimate")
+    what.add_argument("--throughput-tflops", type=float, metavar="TF", help="achieved TFLOP/s per rank")
+    what.add_argument("--routing-counts", metavar="FILE",
+                      help="tokens from each EP rank to each expert (.npy or .csv, shape (ep_size, experts))")
+    what.add_argument("--skew", type=float, metavar="ALPHA",
+                      help="synthetic Zipf(ALPHA) expert popularity instead of balanced routing")
+    how = parser.add_argument_group("search and output")
+    how.add_argument("--ep-size", default=None, metavar="G|all",
+                     help="EP group size (default: the largest that fits the levels and the experts); "
+                          "'all' plans every feasible size")
+    how.add_argument("--cost", choices=COST_MODELS, default="ours",
+                     help="ours (default): forward+backward, alpha-beta, contention, memory; "
+                          "paper: the paper's stream model exactly (forward only)")
+    how.add_argument("--no-replicated", action="store_true", help="leave out the replicated-experts plan")
+    how.add_argument("--memory-limit-gb", type=float, metavar="GB",
+                     help="skip plans whose expert memory per rank exceeds this")
+    how.add_argument("--top", type=int, metavar="N", help="print only the N cheapest candidates per EP size")
+    how.add_argument("--json", action="store_true", help="print the full result as JSON instead of tables")
+    how.add_argument("--out", metavar="plan.json", help="write the chosen plan (Plan JSON) here")
+
+
+def _topology(args: argparse.Namespace) -> Topology:
+    if args.slurm:
+        from megatron_hybridep.plan.slurm import topology_from_slurm
+
+        return topology_from_slurm(args.slurm, args.topology)
+    if not args.topology:
+        raise PlanError("--topology: required (or --slurm DCMAP); fix: e.g. --topology "
+                        "configs/topologies/2dc_x_8.yaml")
+    return Topology.from_yaml(args.topology)
+
+
+def _workload(args: argparse.Namespace, ep_size: int | None, topology: Topology) -> Workload:
+    w = Workload.from_yaml(args.model)
+    changes: dict[str, Any] = {}
+    for flag, fld in (("tokens_per_rank", "tokens_per_rank"), ("micro_batches", "micro_batches"),
+                      ("top_k", "top_k"), ("compression_ratio", "compression_ratio"),
+                      ("grad_compression_ratio", "grad_compression_ratio"),
+                      ("expert_bytes", "compressed_expert_bytes"), ("t_pre_ms", "t_pre_ms"),
+                      ("shared_sync_bytes", "shared_sync_bytes_per_layer"),
+                      ("throughput_tflops", "throughput_tflops")):
+        if getattr(args, flag) is not None:
+            changes[fld] = getattr(args, flag)
+    if args.routing_counts and args.skew is not None:
+        raise PlanError("--skew: cannot be combined with --routing-counts; fix: pass one of them")
+    if args.routing_counts:
+        changes["routing_counts"] = load_routing_counts(args.routing_counts)
+    w = w.replace(**changes) if changes else w
+    if args.skew is not None:
+        G = ep_size or topology.default_ep_size(w.num_experts)
+        w = w.replace(routing_counts=zipf_routing(G, w.num_experts, w.tokens, w.top_k, args.skew))
+    return w
+
+
+def _parse_ep(value: str | None) -> int | str | None:
+    if value is None or value == "all":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise PlanError(f"--ep-size: expected an integer or 'all', got {value!r}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        ep = _parse_ep(args.ep_size)
+        topology = _topology(args)
+        if ep == "all" and args.skew is not None:
+            raise PlanError("--skew: needs one EP size; fix: pass --ep-size G")
+        workload = _workload(args, ep if isinstance(ep, int) else None, topology)
+        limit = args.memory_limit_gb * 1e9 if args.memory_limit_gb is not None else None
+        kw = dict(cost=args.cost, include_replicated=not args.no_replicated, memory_limit_bytes=limit)
+        if ep == "all":
+            results = choose_plan_all_ep_sizes(topology, workload, **kw)
+        else:
+            results = [choose_plan(topology, workload, ep, **kw)]  # type: ignore[arg-type]
+    except PlanError as exc:
+        print(f"hybridep plan: error: {exc}", file=sys.stderr)
+        return 2
+    best = min(results, key=lambda r: r.chosen.cost.total)
+    if args.out:
+        best.best.save(args.out)
+    if args.json:
+        out = [r.to_dict() for r in results]
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=1))
+        return 0
+    print(header(results[0]))
+    for r in results:
+        print()
+        print(table(r, args.top))
+    if len(results) > 1:
+        print()
+        print(f"best over EP sizes: ep_size={best.layout.ep_size}, {best.best.label}, "
+              f"{seconds_human(best.chosen.cost.total)} per iteration")
+    if args.out:
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+# ---- formatting ---------------------------------------------------------------------------------------
+def header(r: PlanningResult) -> str:
+    t, w = r.topology, r.workload
+    comp = ""
+    if w.expert_wire_bytes != w.expert_bytes:
+        ratio = w.expert_bytes / w.expert_wire_bytes
+        comp = f", shipped as {bytes_human(w.expert_wire_bytes)} ({ratio:.1f}x incl. indices)"
+    skew = "skewed (routing counts)" if w.routing_counts is not None else "balanced"
+    lines = [
+        f"topology  {t.name or t.source}: {t.describe()}",
+        f"model     {w.name or 'model'}: {w.num_experts} experts, top-{w.top_k}, {w.num_moe_layers} MoE layers, "
+        f"{w.tokens} tokens/rank/micro-batch x {w.micro_batches} micro-batch(es), {skew} routing",
+        f"traffic   D = {bytes_human(w.dispatch_bytes)} per all-to-all per rank; expert "
+        f"{bytes_human(w.expert_bytes)}{comp}; T_pre = {seconds_human(w.t_pre)} per MoE layer",
+        "cost      " + ("ours: forward+backward, alpha-beta links, uplink contention; exposed time per iteration"
+                        if r.cost_model == "ours" else "paper: the stream model (forward only); time per iteration"),
+    ]
+    return "\n".join(lines)
+
+
+def _row(r: PlanningResult, c: Candidate, wan: str) -> list[str]:
+    ph = c.cost.phases
+    mem = c.cost.memory.total if c.cost.memory else 0.0
+    lv = next((x for x in c.cost.levels if x.name == wan), None)
+    mark = "*" if c.plan == r.best else ("-" if not c.fits_memory else "")
+    return [mark, c.plan.label, f"{c.plan.domain_size} x {c.plan.rail_size}", seconds_human(c.cost.total),
+            f"{r.speedup(c):.2f}x", seconds_human(ph.get("pre_compute", 0) + ph.get("expert_compute", 0)),
+            seconds_human(ph.get("token_a2a_fwd", 0) + ph.get("token_a2a_bwd", 0)),
+            seconds_human(ph.get("expert_allgather", 0)),
+            seconds_human(ph.get("grad_return", 0) + ph.get("shared_sync", 0)),
+            seconds_human(ph.get("expert_grad_allreduce", 0)),
+            bytes_human(lv.uplink_bytes) if lv and r.cost_model == "ours" else "-",
+            bytes_human(mem)]
+
+
+def table(r: PlanningResult, top: int | None = None) -> str:
+    lay = r.layout
+    wan = r.topology.levels[0].name
+    heads = ["", "plan", "domain x rail", "total", "vs EP", "compute", "token a2a", "gather*", "grad ret*",
+             "allreduce*", f"{wan} uplink", "expert mem"]
+    cands = r.candidates[:top] if top else r.candidates
+    rows = [heads] + [_row(r, c, wan) for c in cands]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(heads))]
+    out = [f"EP group: {lay.ep_size} ranks = " + " x ".join(f"{n} {c}" for n, c in zip(lay.counts, lay.names,
+                                                                                       strict=True))
+           + f" ({lay.num_groups} EP group(s) in the world); {len(r.candidates)} candidates"]
+    for i, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1])] + [x.rjust(widths[j + 2])
+                                                                      for j, x in enumerate(row[2:])]
+        out.append("  ".join(cells).rstrip())
+        if i == 0:
+            out.append("-" * len(out[-1]))
+    if top and len(r.candidates) > top:
+        out.append(f"... {len(r.candidates) - top} more (drop --top to see all)")
+    chosen = r.chosen
+    p = chosen.plan
+    if p.kind == "replicated":
+        groups = (f"EP inside each {wan} ({len(p.rails)} rails of {p.rail_size}, token all-to-all), experts "
+                  f"replicated in every {wan} (gradient all-reduce)")
+    else:
+        groups = (f"{len(p.domains)} domain(s) of {p.domain_size} (expert all-gather), {len(p.rails)} rail(s) "
+                  f"of {p.rail_size} (token all-to-all)")
+    out.append(f"* chosen: {p.label}: {groups}; {r.speedup(chosen):.2f}x vs plain EP")
+    out.append("  exposed times per iteration; '*' columns are the part not hidden behind compute; "
+               f"{wan} uplink = bytes through the busiest {wan} uplink per iteration")
+    paper = ", ".join(f"{lv.name}: G={lv.G} p*={lv.p_star:.2f} -> S={lv.s} [{lv.case}]" for lv in r.paper.levels)
+    out.append(f"paper model (tier a): {paper}")
+    return "\n".join(out)

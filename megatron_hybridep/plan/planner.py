@@ -1,0 +1,122 @@
+"""Enumerate every feasible plan for an EP group, cost each one, return the best and all candidates.
+
+Feasible plans: every combination of a divisor S_l of each level's count (S = 1 everywhere is plain
+EP), plus the replicated plan when the EP group spans more than one DC. A 1000-DC x 8-GPU world
+with 256 experts plans in milliseconds (benchmarks/plan_time.py): the cost model is closed-form
+per level and only skewed routing touches (G x E) arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_hybridep.plan.cost import CostBreakdown, CostModel
+from megatron_hybridep.plan.errors import PlanError
+from megatron_hybridep.plan.grid import divisors
+from megatron_hybridep.plan.paper_model import PaperModel, PaperResult
+from megatron_hybridep.plan.plan import Plan
+from megatron_hybridep.plan.topology import EPLayout, Topology
+from megatron_hybridep.plan.workload import Workload
+
+COST_MODELS = ("ours", "paper")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    cost: CostBreakdown
+    fits_memory: bool = True
+
+
+@dataclass(frozen=True)
+class PlanningResult:
+    topology: Topology
+    workload: Workload
+    layout: EPLayout
+    cost_model: str
+    best: Plan
+    candidates: tuple[Candidate, ...]       # cheapest first
+    paper: PaperResult
+
+    @property
+    def chosen(self) -> Candidate:
+        return next(c for c in self.candidates if c.plan == self.best)
+
+    @property
+    def plain_ep(self) -> Candidate:
+        return next(c for c in self.candidates if c.plan.kind == "domains" and c.plan.domain_size == 1)
+
+    def speedup(self, cand: Candidate) -> float:
+        """Plain EP's predicted time over this candidate's."""
+        return self.plain_ep.cost.total / cand.cost.total if cand.cost.total > 0 else float("inf")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "topology": self.topology.name or self.topology.source,
+            "model": self.workload.name,
+            "world_size": self.topology.world_size,
+            "ep_size": self.layout.ep_size,
+            "ep_levels": dict(zip(self.layout.names, self.layout.counts, strict=True)),
+            "cost_model": self.cost_model,
+            "best": self.best.to_dict(),
+            "candidates": [{"label": c.plan.label, "kind": c.plan.kind, "domain_sizes": list(c.plan.domain_sizes),
+                            "fits_memory": c.fits_memory, "speedup_vs_ep": self.speedup(c),
+                            "cost": c.cost.to_dict()} for c in self.candidates],
+            "paper": {"D": self.paper.D, "P": self.paper.P, "t_pre": self.paper.t_pre,
+                      "layer_time": self.paper.layer_time,
+                      "levels": [dataclasses.asdict(lv) for lv in self.paper.levels]},
+        }
+
+
+def enumerate_plans(layout: EPLayout, num_experts: int, include_replicated: bool = True) -> list[Plan]:
+    """Every divisor combination of domain sizes, plus the replicated plan where it applies."""
+    plans = [Plan("domains", layout.names, layout.counts, tuple(s), num_experts)
+             for s in itertools.product(*(divisors(n) for n in layout.counts))]
+    if include_replicated and layout.spans_dcs and len(layout.counts) > 1 and layout.levels[0] == 0:
+        plans.append(Plan.replicated(layout.counts, num_experts, layout.names))
+    return plans
+
+
+def choose_plan(topology: Topology, workload: Workload, ep_size: int | None = None, *, cost: str = "ours",
+                include_replicated: bool = True, memory_limit_bytes: float | None = None) -> PlanningResult:
+    """Plan one EP group: ``ep_size`` defaults to the largest that fits the levels and the experts."""
+    if cost not in COST_MODELS:
+        raise PlanError(f"cost: unknown cost model {cost!r}; fix: use one of {', '.join(COST_MODELS)}")
+    if ep_size is None:
+        ep_size = topology.default_ep_size(workload.num_experts)
+    layout = topology.ep_layout(ep_size)
+    topology.check_experts(workload.num_experts, ep_size)
+    ours = CostModel(topology, workload)
+    paper = PaperModel(topology, workload)
+    model = ours if cost == "ours" else paper
+    plans = enumerate_plans(layout, workload.num_experts, include_replicated and cost == "ours")
+    cands = []
+    for plan in plans:
+        c = model.evaluate(plan)
+        mem = c.memory if c.memory is not None else ours.memory(plan, layout)
+        fits = memory_limit_bytes is None or mem.total <= memory_limit_bytes
+        if c.memory is None:
+            c = dataclasses.replace(c, memory=mem)
+        plan = dataclasses.replace(plan, predicted=c.predicted(), link_bytes=c.link_bytes())
+        cands.append(Candidate(plan, c, fits))
+    # cheapest first; ties go to less memory, then smaller domains (fewer borrowed experts)
+    cands.sort(key=lambda c: (not c.fits_memory, c.cost.total, c.cost.memory.total if c.cost.memory else 0,
+                              c.plan.domain_size, c.plan.kind))
+    if not cands[0].fits_memory:
+        least = min(cands, key=lambda c: c.cost.memory.total if c.cost.memory else 0)
+        need = least.cost.memory.total if least.cost.memory else 0
+        raise PlanError(f"memory_limit: no plan fits {memory_limit_bytes / 1e9:.3g} GB of expert memory per rank "
+                        f"(the smallest needs {need / 1e9:.3g} GB); fix: raise --memory-limit-gb, use a larger "
+                        "EP size or the distributed optimizer")
+    return PlanningResult(topology, workload, layout, cost, cands[0].plan, tuple(cands), paper.optimum(ep_size))
+
+
+def choose_plan_all_ep_sizes(topology: Topology, workload: Workload, **kwargs: Any) -> list[PlanningResult]:
+    """choose_plan for every feasible EP size (smallest first), e.g. to see how far EP should span."""
+    sizes = topology.feasible_ep_sizes(workload.num_experts)
+    if workload.routing_counts is not None:
+        sizes = tuple(s for s in sizes if s == workload.routing_counts.shape[-2])
+    return [choose_plan(topology, workload, s, **kwargs) for s in sizes]

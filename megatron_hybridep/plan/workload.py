@@ -1,0 +1,287 @@
+"""What the model sends: token bytes, expert bytes (exact or compressed), compute time, routing.
+
+Loaded from configs/models/*.yaml (keys = field names below). Every quantity is per rank, per MoE
+layer and per micro-batch unless its name says otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from megatron_hybridep.plan.errors import PlanError
+from megatron_hybridep.plan.fields import FieldReader, load_yaml
+
+
+@dataclass(frozen=True)
+class Workload:
+    hidden_size: int
+    ffn_hidden_size: int                     # of one routed expert
+    num_experts: int
+    top_k: int
+    num_moe_layers: int
+    num_layers: int = 0                      # all transformer layers (0 = num_moe_layers); the rest are dense
+    seq_length: int = 2048
+    micro_batch_size: int = 1
+    tokens_per_rank: int = 0                 # per micro-batch (0 = seq_length * micro_batch_size)
+    micro_batches: int = 1                   # gradient-accumulation steps per iteration
+    gated_mlp: bool = False                  # SwiGLU experts have 3 matrices, plain GELU MLPs 2
+    dense_ffn_hidden_size: int = 0           # FFN of the dense layers (0 = 4 * hidden)
+    shared_experts: int = 0                  # DeepSeek-style always-on experts (compute before the routed ones)
+    activation_bytes: int = 2                # bytes per element of dispatched tokens (bf16)
+    weight_bytes: int = 2                    # bytes per expert parameter as stored for compute
+    grad_bytes: int = 2                      # bytes per gradient element returned / all-reduced
+    optimizer_bytes_per_param: int = 12      # Adam: fp32 master + 2 moments
+    distributed_optimizer: bool = False      # optimizer state sharded over the expert data-parallel group
+    throughput_tflops: float = 100.0         # achieved dense throughput per rank, to estimate compute times
+    t_pre_ms: float | None = None            # measured compute before the experts (fwd, per MoE layer)
+    compression_ratio: float = 1.0           # parameters / values kept when shipping an expert (top-k residual)
+    grad_compression_ratio: float = 1.0      # the same for the gradient returned to the owner
+    compressed_expert_bytes: float | None = None  # bytes per shipped expert from a real codec (wins over ratio)
+    compressed_grad_bytes: float | None = None    # bytes per returned expert gradient from a real codec
+    shared_sync_bytes_per_layer: float = 0.0  # bytes per MoE layer per iteration all-reduced over the EP group
+    #   to refresh the shared expert (runtime SharedExpertRule.sync_bytes_per_step; 0 = frozen after init)
+    routing_counts: Any = None               # tokens rank -> expert: (G, E) or (moe_layers, G, E) array
+    name: str = ""
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, fld: str, msg: str, fix: str) -> None:
+            if not cond:
+                raise PlanError(f"model.{fld}: {msg} (got {getattr(self, fld)!r}); fix: {fix}")
+
+        for fld in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k", "num_moe_layers", "seq_length",
+                    "micro_batch_size", "micro_batches", "activation_bytes", "weight_bytes", "grad_bytes"):
+            v = getattr(self, fld)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, fld, "must be a positive integer",
+                 "set it from the model config")
+        for fld in ("num_layers", "tokens_per_rank", "dense_ffn_hidden_size", "shared_experts",
+                    "optimizer_bytes_per_param"):
+            v = getattr(self, fld)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, fld, "must be an integer >= 0",
+                 "set it from the model config")
+        need(self.top_k <= self.num_experts, "top_k", f"cannot exceed num_experts={self.num_experts}",
+             "lower --moe-router-topk")
+        need(self.num_layers == 0 or self.num_layers >= self.num_moe_layers, "num_layers",
+             f"must be >= num_moe_layers={self.num_moe_layers}", "count all transformer layers")
+        need(self.throughput_tflops > 0, "throughput_tflops", "must be > 0",
+             "give the achieved TFLOP/s per rank, or measure t_pre_ms")
+        need(self.t_pre_ms is None or self.t_pre_ms >= 0, "t_pre_ms", "must be >= 0", "give a measured time")
+        for fld in ("compression_ratio", "grad_compression_ratio"):
+            need(getattr(self, fld) >= 1, fld, "must be >= 1 (1 = exact, 50 = keep 2% of the values)",
+                 "use 1 for no compression")
+        for fld in ("compressed_expert_bytes", "compressed_grad_bytes"):
+            need(getattr(self, fld) is None or getattr(self, fld) > 0, fld, "must be > 0",
+                 "give the codec's bytes per expert, or leave it out")
+        need(self.shared_sync_bytes_per_layer >= 0,
+             "shared_sync_bytes_per_layer", "must be >= 0", "0 when the shared expert needs no communication")
+        if self.routing_counts is not None:
+            object.__setattr__(self, "routing_counts", self._check_routing(self.routing_counts))
+
+    def _check_routing(self, counts: Any) -> np.ndarray:
+        if isinstance(counts, str):
+            counts = load_routing_counts(counts)
+        a = np.asarray(counts, dtype=np.float64)
+        if a.ndim not in (2, 3) or a.shape[-1] != self.num_experts:
+            raise PlanError(f"model.routing_counts: shape {a.shape}, expected (ep_size, {self.num_experts}) or "
+                            f"(num_moe_layers, ep_size, {self.num_experts}); fix: one row per EP rank, one "
+                            "column per expert")
+        if a.ndim == 3 and a.shape[0] != self.num_moe_layers:
+            raise PlanError(f"model.routing_counts: {a.shape[0]} layers, model has {self.num_moe_layers} MoE "
+                            "layers; fix: give one matrix per MoE layer or a single (ep_size, E) matrix")
+        if not np.all(np.isfinite(a)) or np.any(a < 0):
+            raise PlanError("model.routing_counts: entries must be finite and >= 0; fix: token counts only")
+        a.setflags(write=False)
+        return a
+
+    # ---- derived sizes -------------------------------------------------------------------------------
+    @property
+    def tokens(self) -> int:
+        """Tokens per rank per micro-batch."""
+        return self.tokens_per_rank or self.seq_length * self.micro_batch_size
+
+    @property
+    def layers(self) -> int:
+        return self.num_layers or self.num_moe_layers
+
+    @property
+    def expert_params(self) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden_size * self.ffn_hidden_size
+
+    @property
+    def expert_bytes(self) -> float:
+        """One expert's weights as stored for compute."""
+        return float(self.expert_params * self.weight_bytes)
+
+    @property
+    def expert_wire_bytes(self) -> float:
+        """Bytes to ship one expert: exact, or the codec's payload (kept values + their block-local
+        indices + per-block counts + alignment: indices cost bytes too)."""
+        if self.compressed_expert_bytes is not None:
+            return float(self.compressed_expert_bytes)
+        return float(codec_payload_bytes(self.expert_params, self.compression_ratio, self.weight_bytes))
+
+    @property
+    def grad_wire_bytes(self) -> float:
+        """Bytes to return one borrowed expert's gradient to its owner (error-feedback top-k payload)."""
+        if self.compressed_grad_bytes is not None:
+            return float(self.compressed_grad_bytes)
+        return float(codec_payload_bytes(self.expert_params, self.grad_compression_ratio, self.grad_bytes))
+
+    @property
+    def shared_sync_bytes(self) -> float:
+        """Bytes per MoE layer per iteration all-reduced over the EP group to refresh the shared expert
+        of shared+residual compression (the runtime's SharedExpertRule: one dense expert every
+        refresh_every steps, averaged; 0 when it is frozen after init, the default)."""
+        return float(self.shared_sync_bytes_per_layer)
+
+    @property
+    def token_bytes(self) -> float:
+        return float(self.hidden_size * self.activation_bytes)
+
+    @property
+    def dispatch_bytes(self) -> float:
+        """D: bytes one rank dispatches per all-to-all (one copy per selected expert), balanced routing."""
+        return self.tokens * self.top_k * self.token_bytes
+
+    @property
+    def flops_per_second(self) -> float:
+        return self.throughput_tflops * 1e12
+
+    @property
+    def expert_flops_per_token(self) -> float:
+        """Forward FLOPs of one routed-token copy through one expert."""
+        return 2.0 * self.expert_params
+
+    @property
+    def pre_flops_per_token(self) -> float:
+        """Forward FLOPs per token before the experts, per MoE layer: attention (projections + scores),
+        router, shared experts, and the dense layers spread over the MoE layers."""
+        h, s = self.hidden_size, self.seq_length
+        attention = 8.0 * h * h + 4.0 * s * h
+        dense_ffn = self.dense_ffn_hidden_size or 4 * h
+        mats = 3 if self.gated_mlp else 2
+        dense = (self.layers - self.num_moe_layers) * (attention + 2.0 * mats * h * dense_ffn)
+        per_moe = attention + 2.0 * h * self.num_experts + self.shared_experts * 2.0 * self.expert_params
+        return per_moe + dense / self.num_moe_layers
+
+    @property
+    def t_pre(self) -> float:
+        """Seconds of compute before the experts (forward, one MoE layer, one micro-batch)."""
+        if self.t_pre_ms is not None:
+            return self.t_pre_ms * 1e-3
+        return self.tokens * self.pre_flops_per_token / self.flops_per_second
+
+    @property
+    def expert_seconds_per_token(self) -> float:
+        """Forward seconds for one token copy through one expert."""
+        return self.expert_flops_per_token / self.flops_per_second
+
+    def routing_for(self, ep_size: int) -> np.ndarray | None:
+        """Routing counts as (moe_layers or 1, G, E), checked against the EP size; None when balanced."""
+        if self.routing_counts is None:
+            return None
+        a = self.routing_counts
+        if a.shape[-2] != ep_size:
+            raise PlanError(f"model.routing_counts: {a.shape[-2]} rows but the EP group has {ep_size} ranks; "
+                            f"fix: record counts with this EP size or pass --ep-size {a.shape[-2]}")
+        return a if a.ndim == 3 else a[None]
+
+    def replace(self, **changes: Any) -> Workload:
+        return dataclasses.replace(self, **changes)
+
+    # ---- loading -------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "model") -> Workload:
+        r = FieldReader(data, source)
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if r.has(f.name):
+                kwargs[f.name] = r.raw(f.name)
+            else:
+                r.seen.add(f.name)
+        r.done()
+        routing = kwargs.get("routing_counts")
+        if isinstance(routing, str) and not os.path.isabs(routing) and source.endswith((".yaml", ".yml")):
+            kwargs["routing_counts"] = os.path.join(os.path.dirname(source), routing)
+        try:
+            return cls(**kwargs)
+        except TypeError as exc:  # a required field is missing
+            missing = [f.name for f in dataclasses.fields(cls)
+                       if f.default is dataclasses.MISSING and f.name not in kwargs]
+            raise PlanError(f"{source}.{missing[0] if missing else '?'}: required field is missing ({exc}); "
+                            "fix: add it (see configs/models/ for examples)") from None
+        except PlanError as exc:
+            raise PlanError(str(exc).replace("model.", f"{source}: ", 1)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str) -> Workload:
+        return cls.from_dict(load_yaml(path), source=path)
+
+
+ALIGN = 16  # every payload section starts at a 16-byte boundary
+# sparse index schemes of the codec: (block bits, offset bytes, count bytes)
+_SCHEMES = ((8, 1, 2), (16, 2, 4), (32, 4, 4))
+
+
+def _align(x: int) -> int:
+    return -(-x // ALIGN) * ALIGN
+
+
+def codec_payload_bytes(numel: int, ratio: float, value_bytes: int) -> int:
+    """Bytes on the wire for one tensor under the project's codec (runtime/compression.py, element
+    ratio): k = max(1, floor(numel / ratio)) values, then per-block counts and block-local offsets
+    for the cheapest index scheme, each section 16-byte aligned; dense when that is not smaller.
+    Mirrored here because plan/ must not import torch; tests check it against encoded_nbytes."""
+    dense = _align(numel * value_bytes)
+    if ratio <= 1:
+        return dense
+    k = max(1, min(numel, math.floor(numel / ratio * (1 + 1e-9))))
+    best = dense
+    for bits, offset_bytes, count_bytes in _SCHEMES:
+        nblocks = 1 if bits == 32 else -(-numel // (1 << bits))
+        offsets_at = _align(_align(k * value_bytes) + nblocks * count_bytes)
+        best = min(best, _align(offsets_at + k * offset_bytes))
+    return best
+
+
+def load_routing_counts(path: str) -> np.ndarray:
+    """A routing-count matrix from .npy or .csv/.txt (rows = EP ranks, columns = experts)."""
+    try:
+        if path.endswith(".npy"):
+            return np.load(path)
+        return np.loadtxt(path, delimiter="," if path.endswith(".csv") else None, ndmin=2)
+    except FileNotFoundError:
+        raise PlanError(f"routing_counts: {path} not found; fix: pass an existing .npy or .csv file") from None
+    except ValueError as exc:
+        raise PlanError(f"routing_counts: cannot read {path} ({exc}); fix: numbers only, one row per rank") from None
+
+
+def zipf_routing(ep_size: int, num_experts: int, tokens: int, top_k: int, alpha: float,
+                 seed: int = 0) -> np.ndarray:
+    """Expected routing counts (G, E) with Zipf(alpha) expert popularity shared by all ranks.
+
+    A token picks top_k distinct experts, so no expert can receive more than ``tokens`` copies from a
+    rank: popularity above that cap is poured into the next experts (water-filling). alpha = 0 is
+    balanced routing."""
+    if alpha < 0:
+        raise PlanError(f"skew: alpha must be >= 0, got {alpha}; fix: 0 = balanced, 1-2 = strongly skewed")
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, num_experts + 1) ** alpha
+    weights = weights[rng.permutation(num_experts)]
+    total = float(tokens * top_k)
+    counts = np.zeros(num_experts)
+    free = np.ones(num_experts, dtype=bool)
+    remaining = total
+    while remaining > 1e-9 * total and free.any():
+        share = remaining * weights * free / (weights * free).sum()
+        new = np.minimum(counts + share, tokens)
+        remaining -= (new - counts).sum()
+        counts = new
+        free &= counts < tokens - 1e-12
+    return np.tile(counts, (ep_size, 1))

@@ -1,0 +1,92 @@
+"""`hybridep plan` end to end through megatron_hybridep.cli.main."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import yaml
+
+from megatron_hybridep.cli import main
+from megatron_hybridep.plan.plan import Plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+T = lambda n: os.path.join(ROOT, "configs", "topologies", f"{n}.yaml")  # noqa: E731
+M = lambda n: os.path.join(ROOT, "configs", "models", f"{n}.yaml")  # noqa: E731
+
+
+def run(capsys, *argv):
+    rc = main(["plan", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_table_lists_every_candidate_and_marks_the_choice(capsys, tmp_path):
+    out_path = tmp_path / "plan.json"
+    rc, out, _ = run(capsys, "--topology", T("4dc_x_8"), "--model", M("paper-l"), "--compression-ratio", "50",
+                     "--out", str(out_path))
+    assert rc == 0
+    rc, js, _ = run(capsys, "--topology", T("4dc_x_8"), "--model", M("paper-l"), "--compression-ratio", "50",
+                    "--json")
+    result = json.loads(js)
+    labels = [c["label"] for c in result["candidates"]]
+    assert len(labels) == 13  # 3 x 4 divisor combinations + replicated
+    rows = [line for line in out.splitlines() if any(line[3:].startswith(lb + " ") for lb in labels)]
+    assert len(rows) == len(labels)
+    marked = [line for line in rows if line.startswith("*")]
+    assert len(marked) == 1 and result["candidates"][0]["label"] in marked[0]
+    saved = Plan.load(str(out_path))
+    assert saved == Plan.from_dict(result["best"])
+    saved.validate(32, 32)
+    assert "paper model (tier a)" in out and "token a2a" in out
+
+
+def test_options_change_the_workload(capsys, tmp_path):
+    counts = np.full((4, 8), 16.0)
+    counts[:, 0] = 100.0
+    np.save(tmp_path / "r.npy", counts)
+    rc, js, _ = run(capsys, "--topology", T("2dc_x_2"), "--model", M("tiny-cpu"), "--routing-counts",
+                    str(tmp_path / "r.npy"), "--tokens-per-rank", "4096", "--json", "--cost", "ours")
+    assert rc == 0
+    d = json.loads(js)
+    assert d["ep_size"] == 4
+    assert "skewed routing from routing_counts" in d["candidates"][0]["cost"]["notes"]
+    rc, out, _ = run(capsys, "--topology", T("2dc_x_2"), "--model", M("tiny-cpu"), "--skew", "1.5", "--top", "2")
+    assert rc == 0 and "more (drop --top to see all)" in out and "skewed" in out
+    rc, out, _ = run(capsys, "--topology", T("4dc_x_8"), "--model", M("paper-s"), "--ep-size", "all", "--top", "1")
+    assert rc == 0 and out.count("EP group:") == 6 and "best over EP sizes" in out
+    rc, out, _ = run(capsys, "--topology", T("4dc_x_8"), "--model", M("paper-s"), "--cost", "paper")
+    assert rc == 0 and "replicated" not in out.split("EP group:")[1].split("* chosen")[0]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--topology", "missing.yaml", "--model", M("paper-s")], r"missing.yaml: file not found; fix"),
+    (["--model", M("paper-s")], r"--topology: required"),
+    (["--topology", T("4dc_x_8"), "--model", M("paper-s"), "--ep-size", "12"], r"ep_size: 12 does not divide"),
+    (["--topology", T("4dc_x_8"), "--model", M("paper-s"), "--ep-size", "x"], r"--ep-size: expected an integer"),
+    (["--topology", T("4dc_x_8"), "--model", M("paper-s"), "--compression-ratio", "0.5"], r"compression_ratio"),
+    (["--topology", T("1dc_x_8"), "--model", M("deepseek-v3-like"), "--ep-size", "8", "--routing-counts", "nope.npy"],
+     r"routing_counts: nope.npy not found"),
+])
+def test_errors_exit_2_with_field_and_fix(capsys, argv, match):
+    import re
+
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert re.search(match, err), err
+
+
+def test_slurm(capsys, tmp_path, monkeypatch):
+    dcmap = tmp_path / "dcmap.yaml"
+    dcmap.write_text(yaml.safe_dump({
+        "datacenters": {"a": ["n[1-2]"], "b": ["n[3-4]"]},
+        "levels": {"dc": {"bandwidth_gbps": 10, "uplink_gbps": 10}, "node": {"bandwidth_gbps": 100},
+                   "gpu": {"bandwidth_gbps": 128}}}))
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-4]")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
+    rc, js, err = run(capsys, "--slurm", str(dcmap), "--model", M("paper-s"), "--json")
+    assert rc == 0, err
+    d = json.loads(js)
+    assert d["world_size"] == 16 and d["ep_levels"] == {"dc": 2, "node": 2, "gpu": 4}

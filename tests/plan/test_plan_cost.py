@@ -1,0 +1,272 @@
+"""Tier (b): the closed-form link model against brute-force flows, and the cost model's behaviour."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_hybridep.plan.cost import PHASES, CostModel
+from megatron_hybridep.plan.network import (
+    Network,
+    dc_replica_family,
+    domain_family,
+    rail_family,
+    replica_family,
+    world_domain_sizes,
+)
+from megatron_hybridep.plan.plan import Plan, PlanError
+from megatron_hybridep.plan.topology import Level, LinkOverride, Topology
+from megatron_hybridep.plan.workload import Workload
+
+from . import reference as ref
+from .strategies import topology_and_plan
+
+
+def assert_phase_matches(got, want):
+    for lvl, lv in enumerate(want["levels"]):
+        assert ref.close(got.pair_bytes[lvl], lv["pair"]), (lvl, got.pair_bytes, lv)
+        assert ref.close(got.uplink_bytes[lvl], lv["uplink"]), (lvl, got.uplink_bytes, lv)
+        assert ref.close(got.level_seconds[lvl], lv["time"]), (lvl, got.level_seconds, lv)
+    assert ref.close(got.seconds, want["seconds"]), (got, want["seconds"])
+
+
+@given(topology_and_plan(), st.sampled_from([1.0, 3.5e6]))
+@settings(max_examples=70, deadline=None)
+def test_closed_forms_match_brute_force_flows(tp, nbytes):
+    topo, plan = tp
+    net, lay = Network(topo), topo.ep_layout(plan.ep_size)
+    S = world_domain_sizes(lay, plan.domain_sizes)
+    world_rails = [[base + r for r in rail] for base in range(0, topo.world_size, plan.ep_size)
+                   for rail in plan.rails]
+    flows = [(a, b, nbytes) for g in world_rails for a in g for b in g if a != b]
+    assert_phase_matches(net.a2a(rail_family(lay, S), nbytes), ref.phase(topo, flows, 1))
+    doms = ref.world_domains(topo, plan)
+    M = plan.domain_size
+    assert_phase_matches(net.ring(domain_family(lay, S), nbytes, M - 1),
+                         ref.phase(topo, ref.ring_flows(doms, nbytes), M - 1))
+    k = topo.world_size // plan.ep_size
+    assert_phase_matches(net.ring(replica_family(topo, lay), nbytes, 2 * (k - 1)),
+                         ref.phase(topo, ref.ring_flows(ref.replica_groups(topo, plan.ep_size), nbytes),
+                                   2 * (k - 1)))
+    n0 = topo.level_counts[0]
+    assert_phase_matches(net.ring(dc_replica_family(topo), nbytes, n0 - 1),
+                         ref.phase(topo, ref.ring_flows(ref.dc_replica_groups(topo), nbytes), n0 - 1))
+
+
+@given(topology_and_plan(max_ranks=24), st.integers(0, 2**32 - 1))
+@settings(max_examples=50, deadline=None)
+def test_explicit_flows_match_brute_force(tp, seed):
+    topo, plan = tp
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 50, size=(plan.ep_size, plan.num_experts)).astype(float)
+    net, lay = Network(topo), topo.ep_layout(plan.ep_size)
+    dst = plan.compute_ranks().ravel()
+    src = np.repeat(np.arange(plan.ep_size), plan.num_experts)
+    got = net.flows(lay, src, dst, counts.ravel() * 7.0)
+    assert_phase_matches(got, ref.phase(topo, ref.a2a_flows(topo, plan, counts.tolist(), 7.0), 1))
+
+
+def workload(**kw):
+    base = dict(hidden_size=128, ffn_hidden_size=256, num_experts=16, top_k=2, num_moe_layers=3,
+                seq_length=256, tokens_per_rank=512)
+    base.update(kw)
+    return Workload(**base)
+
+
+def paper_topo(dcs=2, gpus=8, dc_uplink=10.0):
+    return Topology((Level("dc", dcs, 10.0, 100.0, dc_uplink), Level("gpu", gpus, 128.0, 5.0, 128.0)))
+
+
+@given(topology_and_plan(max_ranks=32), st.integers(1, 3))
+@settings(max_examples=50, deadline=None)
+def test_s1_predicts_plain_ep_traffic_exactly(tp, experts_per_rank):
+    topo, _ = tp
+    ep = _ep_size(topo)
+    lay = topo.ep_layout(ep)
+    E = ep * experts_per_rank
+    w = workload(num_experts=E, top_k=1)
+    plan = Plan("domains", lay.names, lay.counts, (1,) * len(lay.counts), E)
+    model = CostModel(topo, w)
+    (a2a,), _ = model.token_a2a(plan, lay)
+    per_expert = w.tokens * w.top_k / E
+    flows = ref.a2a_flows(topo, plan, [[per_expert] * E] * ep, w.token_bytes, use_owner=True)
+    assert_phase_matches(a2a, ref.phase(topo, flows, 1))
+    cost = model.evaluate(plan)
+    assert cost.raw["expert_allgather"] == cost.raw["grad_return"] == cost.raw["shared_sync"] == 0
+    assert cost.phases["expert_allgather"] == cost.phases["grad_return"] == 0
+    assert cost.memory.borrowed_weights == 0
+
+
+def _ep_size(topo):
+    return max(topo.feasible_ep_sizes())
+
+
+@given(topology_and_plan(max_ranks=32))
+@settings(max_examples=50, deadline=None)
+def test_uniform_routing_matrix_equals_balanced_closed_form(tp):
+    topo, plan = tp
+    w = workload(num_experts=plan.num_experts, top_k=1, compression_ratio=4.0)
+    balanced = CostModel(topo, w).evaluate(plan)
+    uniform = np.full((plan.ep_size, plan.num_experts), w.tokens * w.top_k / plan.num_experts)
+    skewed_path = CostModel(topo, w.replace(routing_counts=uniform)).evaluate(plan)
+    assert skewed_path.total == pytest.approx(balanced.total, rel=1e-9)
+    for phase in PHASES:
+        assert skewed_path.phases[phase] == pytest.approx(balanced.phases[phase], rel=1e-9, abs=1e-15)
+    for a, b in zip(skewed_path.levels, balanced.levels, strict=True):
+        assert a.link_bytes == pytest.approx(b.link_bytes) and a.uplink_bytes == pytest.approx(b.uplink_bytes)
+
+
+def test_phases_sum_to_total_and_breakdown_shapes():
+    topo = paper_topo(4)
+    cost = CostModel(topo, workload(num_experts=32)).evaluate(Plan.grid((4, 8), (2, 2), 32))
+    assert set(cost.phases) == set(PHASES)
+    assert cost.total == pytest.approx(sum(cost.phases.values()))
+    assert [lv.name for lv in cost.levels] == ["dc", "gpu"]
+    assert set(cost.link_bytes()) == {"dc.link", "dc.uplink", "gpu.link", "gpu.uplink"}
+    assert cost.predicted()["total"] == cost.total
+
+
+def test_four_dcs_with_dc_domains_send_no_token_across_dcs():
+    topo = paper_topo(4)
+    lay = topo.ep_layout(32)
+    model = CostModel(topo, workload(num_experts=32))
+    (hybrid,), _ = model.token_a2a(Plan.grid((4, 8), (4, 1), 32), lay)
+    (ep,), _ = model.token_a2a(Plan.grid((4, 8), (1, 1), 32), lay)
+    assert hybrid.pair_bytes[0] == hybrid.uplink_bytes[0] == 0
+    assert ep.pair_bytes[0] > 0 and ep.uplink_bytes[0] > 0
+    assert hybrid.seconds < ep.seconds
+
+
+def test_dc_uplink_contention():
+    w = workload(num_experts=32)
+    plan = Plan.grid((4, 8), (1, 1), 32)
+    shared = CostModel(paper_topo(4, 8, dc_uplink=10.0), w).evaluate(plan)
+    dedicated = CostModel(paper_topo(4, 8, dc_uplink=None), w).evaluate(plan)
+    fat = CostModel(paper_topo(4, 8, dc_uplink=80.0), w).evaluate(plan)
+    # all 8 GPUs of a DC send to 3 other DCs through one 10 Gbit/s uplink: it carries 3x what any
+    # DC-to-DC link carries, so it is the bottleneck
+    assert shared.phases["token_a2a_fwd"] > dedicated.phases["token_a2a_fwd"]
+    assert shared.levels[0].seconds["token_a2a"] == pytest.approx(3 * dedicated.levels[0].seconds["token_a2a"])
+    assert fat.phases["token_a2a_fwd"] == pytest.approx(dedicated.phases["token_a2a_fwd"])
+    # more GPUs behind the same uplink (same tokens per GPU): slower
+    bigger = CostModel(paper_topo(4, 16, dc_uplink=10.0), w.replace(num_experts=64)).evaluate(
+        Plan.grid((4, 16), (1, 1), 64))
+    assert bigger.raw["a2a"] > shared.raw["a2a"]
+
+
+def test_pair_overrides_slow_only_the_plans_that_use_the_pair():
+    w = workload(num_experts=32, compression_ratio=10.0)
+    base = Topology((Level("dc", 4, 10.0, 100.0, None), Level("gpu", 8, 128.0, 5.0, 128.0)))
+    slow02 = dataclasses.replace(base, levels=(dataclasses.replace(
+        base.levels[0], overrides=(LinkOverride(0, 2, 1.0, 100.0),)),) + base.levels[1:])
+    plan = Plan.grid((4, 8), (2, 1), 32)  # domains {DC0, DC1} and {DC2, DC3}; rails pair DC0-DC2, DC1-DC3
+    a, b = CostModel(base, w).evaluate(plan), CostModel(slow02, w).evaluate(plan)
+    assert b.raw["a2a"] > a.raw["a2a"]  # tokens cross the slow DC0-DC2 link
+    assert b.raw["expert_allgather"] == pytest.approx(a.raw["expert_allgather"])  # gathers never do
+    slow01 = dataclasses.replace(base, levels=(dataclasses.replace(
+        base.levels[0], overrides=(LinkOverride(1, 0, 1.0, 100.0),)),) + base.levels[1:])
+    c = CostModel(slow01, w).evaluate(plan)
+    assert c.raw["a2a"] == pytest.approx(a.raw["a2a"])
+    assert c.raw["expert_allgather"] > a.raw["expert_allgather"]
+
+
+def test_latency_counts_once_per_all_to_all_and_per_ring_step():
+    topo = Topology((Level("dc", 2, 1e9, 1000.0), Level("gpu", 4, 1e9, 10.0)))  # bandwidth ~ free
+    model = CostModel(topo, workload(num_experts=8))
+    cost = model.evaluate(Plan.grid((2, 4), (1, 4), 8))  # rails cross DCs, domains inside a DC
+    assert cost.raw["a2a"] == pytest.approx(1000e-6, rel=1e-3)
+    assert cost.raw["expert_allgather"] == pytest.approx(3 * 10e-6, rel=1e-3)
+
+
+def test_skewed_routing_is_spread_over_domain_copies():
+    topo = paper_topo(1, 8)
+    E, G = 16, 8
+    counts = np.full((G, E), 10.0)
+    counts[:, 3] = 500.0  # one hot expert, owned by rank 1
+    w = workload(num_experts=E, routing_counts=counts)
+    model = CostModel(topo, w)
+    lay = topo.ep_layout(G)
+    _, ep_load = model.token_a2a(Plan.grid((8,), (1,), E), lay)
+    _, hybrid_load = model.token_a2a(Plan.grid((8,), (8,), E), lay)
+    assert ep_load[0] == counts[:, 2:4].sum()  # rank 1 computes experts 2 and 3 for everyone
+    assert hybrid_load[0] == counts[0].sum()  # with every expert everywhere each rank computes its own
+    ep = model.evaluate(Plan.grid((8,), (1,), E))
+    full = model.evaluate(Plan.grid((8,), (8,), E))
+    assert full.phases["expert_compute"] < ep.phases["expert_compute"]
+
+
+def test_memory_of_replicated_experts_and_domains():
+    topo = paper_topo(2, 8)
+    w = workload(num_experts=32)
+    model = CostModel(topo, w)
+    P = w.expert_params * w.num_moe_layers
+    ep = model.evaluate(Plan.grid((2, 8), (1, 1), 32)).memory
+    hyb = model.evaluate(Plan.grid((2, 8), (2, 1), 32)).memory
+    rep = model.evaluate(Plan.replicated((2, 8), 32)).memory
+    assert ep.owned_weights == 2 * P * w.weight_bytes
+    assert ep.optimizer_state == 2 * P * w.optimizer_bytes_per_param
+    assert hyb.borrowed_weights == 2 * P * w.weight_bytes and hyb.optimizer_state == ep.optimizer_state
+    assert rep.owned_weights == 4 * P * w.weight_bytes  # E / (GPUs per DC) experts per rank
+    assert rep.optimizer_state == 2 * ep.optimizer_state  # replicated optimizer state
+    dist = CostModel(topo, w.replace(distributed_optimizer=True)).evaluate(Plan.replicated((2, 8), 32)).memory
+    assert dist.optimizer_state == rep.optimizer_state / 2  # sharded over the 2 DC replicas
+
+
+def test_replicated_plan_costs_a_gradient_allreduce_and_no_cross_dc_tokens():
+    topo = paper_topo(2, 8)
+    model = CostModel(topo, workload(num_experts=32))
+    rep = model.evaluate(Plan.replicated((2, 8), 32))
+    assert rep.raw["expert_allgather"] == 0 and rep.raw["expert_grad_allreduce"] > 0
+    assert "token_a2a" not in rep.levels[0].seconds
+    # uncompressed, the gather + gradient return of S_dc = 2 moves the same bytes as the all-reduce
+    hyb = model.evaluate(Plan.grid((2, 8), (2, 1), 32))
+    assert hyb.levels[0].uplink_bytes == pytest.approx(rep.levels[0].uplink_bytes)
+
+
+def test_compression_shrinks_the_gather_by_the_byte_ratio():
+    topo = paper_topo(2, 8)
+    w = workload(num_experts=32)
+    plan = Plan.grid((2, 8), (2, 1), 32)
+    exact = CostModel(topo, w).evaluate(plan)
+    comp_w = w.replace(compression_ratio=20.0)
+    comp = CostModel(topo, comp_w).evaluate(plan)
+    ratio = w.expert_bytes / comp_w.expert_wire_bytes
+    assert exact.levels[0].seconds["expert_allgather"] / comp.levels[0].seconds["expert_allgather"] == \
+        pytest.approx(ratio)
+    assert comp.raw["shared_sync"] == 0  # the codec's default: the shared expert is frozen after init
+    refreshed = CostModel(topo, comp_w.replace(shared_sync_bytes_per_layer=w.expert_bytes / 10)).evaluate(plan)
+    assert refreshed.raw["shared_sync"] > 0
+    assert refreshed.phases["shared_sync"] == pytest.approx(w.num_moe_layers * refreshed.raw["shared_sync"])
+    assert refreshed.total > comp.total
+
+
+def test_micro_batches_repeat_tokens_not_gathers():
+    topo = paper_topo(2, 8)
+    plan = Plan.grid((2, 8), (2, 1), 32)
+    one = CostModel(topo, workload(num_experts=32)).evaluate(plan)
+    four = CostModel(topo, workload(num_experts=32, micro_batches=4)).evaluate(plan)
+    assert four.phases["token_a2a_fwd"] == pytest.approx(4 * one.phases["token_a2a_fwd"])
+    assert four.phases["expert_allgather"] == pytest.approx(one.phases["expert_allgather"])
+
+
+def test_world_larger_than_ep_group_adds_expert_data_parallel_allreduce():
+    topo = paper_topo(4, 8)
+    model = CostModel(topo, workload(num_experts=16))
+    within = model.evaluate(Plan.grid((8,), (1,), 16))  # EP = 8: four EP groups, one per DC
+    assert within.raw["expert_grad_allreduce"] > 0 and within.levels[0].uplink_bytes > 0
+    assert "token_a2a" not in within.levels[0].seconds  # tokens stay inside the DC
+
+
+def test_plan_must_match_topology_and_model():
+    topo = paper_topo(2, 8)
+    model = CostModel(topo, workload(num_experts=32))
+    with pytest.raises(PlanError, match=r"plan.level_counts.*\{'dc': 2, 'gpu': 8\}"):
+        model.evaluate(Plan.grid((4, 4), (1, 1), 32))
+    with pytest.raises(PlanError, match="plan.num_experts: 16"):
+        model.evaluate(Plan.grid((2, 8), (1, 1), 16))
+    assert math.isfinite(model.evaluate(Plan.grid((2, 8), (1, 1), 32)).total)
