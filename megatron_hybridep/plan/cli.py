@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--expert-bytes", type=float, metavar="BYTES",
                       help="bytes per shipped expert measured from a codec (overrides --compression-ratio)")
     what.add_argument("--shared-sync-bytes", type=float, metavar="BYTES",
-                      help="bytes per MoE layer all-reduced in the domain to keep the shared expert in sync "
-                           "(default: one expert gradient when compressed; 0 = none)")
+                      help="bytes per MoE layer per iteration all-reduced over the EP group to refresh the "
+                           "shared expert (the codec's SharedExpertRule.sync_bytes_per_step; default 0: frozen)")
     what.add_argument("--t-pre-ms", type=float, metavar="MS",
                       help="measured compute before the experts per MoE layer (forward), instead of the estimate")
     what.add_argument("--throughput-tflops", type=float, metavar="TF", help="achieved TFLOP/s per rank")
@@ -174,8 +174,8 @@ def _row(r: PlanningResult, c: Candidate, wan: str) -> list[str]:
     return [mark, c.plan.label, f"{c.plan.domain_size} x {c.plan.rail_size}", seconds_human(c.cost.total),
             f"{r.speedup(c):.2f}x", seconds_human(ph.get("pre_compute", 0) + ph.get("expert_compute", 0)),
             seconds_human(ph.get("token_a2a_fwd", 0) + ph.get("token_a2a_bwd", 0)),
-            seconds_human(ph.get("expert_allgather", 0)),
-            seconds_human(ph.get("grad_return", 0) + ph.get("shared_sync", 0)),
+            seconds_human(ph.get("expert_allgather", 0) + ph.get("shared_sync", 0)),
+            seconds_human(ph.get("grad_return", 0)),
             seconds_human(ph.get("expert_grad_allreduce", 0)),
             bytes_human(lv.uplink_bytes) if lv and r.cost_model == "ours" else "-",
             bytes_human(mem)]

@@ -19,7 +19,7 @@ force over explicit flows.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,17 +72,19 @@ class Network:
         self.lat = tuple(lv.latency for lv in topology.levels)
         self.uplink = tuple(lv.uplink for lv in topology.levels)
         self.over = tuple(lv.override_arrays() for lv in topology.levels)
-        self._local_cache: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._local_cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def _inner(self, values: Sequence[int], lvl: int) -> int:
         return math.prod(values[lvl + 1:])
 
     # ---- which sibling pairs carry traffic (for per-pair overrides) -----------------------------------
-    def _pair_extremes(self, lvl: int, mask_fn: object, n_flowing: int) -> tuple[float, float]:
-        """(min bandwidth, max latency) over the flowing ordered pairs of level l."""
+    def _pair_extremes(self, lvl: int, mask_fn: Callable[[np.ndarray, np.ndarray], np.ndarray],
+                       n_flowing: int) -> tuple[float, float]:
+        """(min bandwidth, max latency) over the ordered sibling pairs of level lvl that carry traffic:
+        ``mask_fn`` tells which override pairs flow, ``n_flowing`` how many pairs flow in all."""
         a, b, bw, lat = self.over[lvl]
         if len(a):
-            m = mask_fn(a, b)  # type: ignore[operator]
+            m = mask_fn(a, b)
             n_over = int(m.sum())
         else:
             m, n_over = None, 0

@@ -167,11 +167,14 @@ class Plan:
         return coord_array(np.arange(self.ep_size), self.level_counts)
 
     @cached_property
+    def _domain_keys(self) -> np.ndarray:
+        radices = tuple(n // s for n, s in zip(self.level_counts, self.domain_sizes, strict=True))
+        return np.asarray(np.ravel_multi_index(tuple((self._coords // self.domain_sizes).T), radices))
+
+    @cached_property
     def domains(self) -> tuple[tuple[int, ...], ...]:
         """Expert all-gather groups (for replicated: expert gradient all-reduce groups), by domain index."""
-        radices = np.asarray(self.level_counts) // np.asarray(self.domain_sizes)
-        keys = np.ravel_multi_index(tuple((self._coords // self.domain_sizes).T), tuple(radices))
-        return group_ranks(np.asarray(keys))
+        return group_ranks(self._domain_keys)
 
     @cached_property
     def rails(self) -> tuple[tuple[int, ...], ...]:
@@ -258,8 +261,9 @@ class Plan:
             "link_bytes": dict(self.link_bytes),
             "domains": [list(d) for d in self.domains],
             "rails": [list(r) for r in self.rails],
-            "ranks": [{"rank": r, "coords": list(self.coords(r)), "domain": self.domain_index(r),
-                       "offset": list(self.offset_of(r))} for r in range(self.ep_size)],
+            "ranks": [{"rank": r, "coords": c, "domain": d, "offset": o} for r, (c, d, o) in enumerate(zip(
+                self._coords.tolist(), self._domain_keys.tolist(), (self._coords % self.domain_sizes).tolist(),
+                strict=True))],
         }
 
     def to_json(self, indent: int | None = 1) -> str:
