@@ -16,12 +16,19 @@ from megatron_hybridep.plan.cost import CostBreakdown, CostModel, LevelBreakdown
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.paper_model import PaperModel
 from megatron_hybridep.plan.plan import Plan
-from megatron_hybridep.plan.planner import Candidate, PlanningResult, choose_plan, choose_plan_all_ep_sizes
+from megatron_hybridep.plan.planner import (
+    Candidate,
+    PlanningResult,
+    Replan,
+    choose_plan,
+    choose_plan_all_ep_sizes,
+    replan,
+)
 from megatron_hybridep.plan.topology import EPLayout, Level, LinkOverride, Topology
 from megatron_hybridep.plan.workload import Workload
 
 __all__ = [
     "Candidate", "CostBreakdown", "CostModel", "EPLayout", "Level", "LevelBreakdown", "LinkOverride",
-    "MemoryBreakdown", "PaperModel", "Plan", "PlanError", "PlanningResult", "Topology", "Workload",
-    "choose_plan", "choose_plan_all_ep_sizes",
+    "MemoryBreakdown", "PaperModel", "Plan", "PlanError", "PlanningResult", "Replan", "Topology", "Workload",
+    "choose_plan", "choose_plan_all_ep_sizes", "replan",
 ]

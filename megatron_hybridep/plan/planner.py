@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,3 +121,48 @@ def choose_plan_all_ep_sizes(topology: Topology, workload: Workload, **kwargs: A
     if workload.routing_counts is not None:
         sizes = tuple(s for s in sizes if s == workload.routing_counts.shape[-2])
     return [choose_plan(topology, workload, s, **kwargs) for s in sizes]
+
+
+@dataclass(frozen=True)
+class Replan:
+    """Whether to switch plans while training, and why."""
+
+    switch: bool
+    plan: Plan                  # the plan to run next (the current one when not switching)
+    current_seconds: float      # predicted per iteration, current plan
+    best_seconds: float         # predicted per iteration, best candidate
+    switch_seconds: float       # one-off cost of switching
+    gain_seconds: float         # (current - best) x horizon
+    reason: str
+
+
+def replan(topology: Topology, workload: Workload, current: Plan, *, horizon_iterations: int,
+           candidates: Sequence[Plan] | None = None, switch_seconds: float | None = None) -> Replan:
+    """Re-evaluate with measured inputs (routing counts in ``workload``, bandwidths in ``topology``) and
+    switch only when the predicted gain over ``horizon_iterations`` beats the switch cost.
+
+    ``candidates``: the plans the runtime has prebuilt groups for (default: every feasible plan of the
+    current EP group). ``switch_seconds`` default: one exact (uncompressed) expert gather of the new
+    plan in every MoE layer, since borrowed copies are rebuilt from scratch after a switch."""
+    if horizon_iterations < 1:
+        raise PlanError(f"horizon_iterations: must be >= 1, got {horizon_iterations}; fix: pass the number "
+                        "of iterations until the next re-evaluation")
+    model = CostModel(topology, workload)
+    layout = model.layout(current.ep_size)
+    pool = list(candidates) if candidates is not None else enumerate_plans(layout, current.num_experts)
+    if current not in pool:
+        pool.append(current)
+    costs = {p: model.evaluate(p) for p in pool}
+    best = min(pool, key=lambda p: (costs[p].total, p.domain_size, p.kind))
+    cur_t, best_t = costs[current].total, costs[best].total
+    if switch_seconds is None:
+        exact = CostModel(topology, workload.replace(compression_ratio=1.0, compressed_expert_bytes=None))
+        switch_seconds = workload.num_moe_layers * exact.evaluate(best).raw["expert_allgather"]
+    gain = (cur_t - best_t) * horizon_iterations
+    if best == current or gain <= switch_seconds:
+        why = ("the current plan is the best" if best == current else
+               f"gain {gain:.3g} s over {horizon_iterations} iterations <= switch cost {switch_seconds:.3g} s")
+        return Replan(False, current, cur_t, best_t, switch_seconds, gain, why)
+    return Replan(True, best, cur_t, best_t, switch_seconds, gain,
+                  f"{best.label}: gain {gain:.3g} s over {horizon_iterations} iterations > switch cost "
+                  f"{switch_seconds:.3g} s")

@@ -120,3 +120,26 @@ def test_result_serialises():
     d = json.loads(json.dumps(res.to_dict()))
     assert d["ep_size"] == 4 and len(d["candidates"]) == len(res.candidates)
     assert Plan.from_dict(d["best"]) == res.best
+
+
+def test_replan_switches_only_when_the_gain_beats_the_switch_cost():
+    import numpy as np
+
+    from megatron_hybridep.plan.planner import replan
+
+    t = topo("1dc_x_8")
+    w = model("paper-s", num_experts=32, tokens_per_rank=16384, compression_ratio=20)
+    current = Plan.grid((8,), (1,), 32)
+    counts = np.full((8, 32), 1.0)
+    counts[:, 5] = 16384.0  # every rank sends every token to expert 5 (owned by rank 1)
+    skewed = w.replace(routing_counts=counts)
+    pool = [current, Plan.grid((8,), (8,), 32)]
+    short = replan(t, skewed, current, horizon_iterations=1, candidates=pool, switch_seconds=1e6)
+    assert not short.switch and short.plan == current and "switch cost" in short.reason
+    long = replan(t, skewed, current, horizon_iterations=1000, candidates=pool)
+    assert long.switch and long.plan == pool[1] and long.best_seconds < long.current_seconds
+    assert long.gain_seconds == pytest.approx((long.current_seconds - long.best_seconds) * 1000)
+    stay = replan(t, w, replan(t, w, current, horizon_iterations=10**6).plan, horizon_iterations=10**6)
+    assert not stay.switch and stay.reason == "the current plan is the best"
+    with pytest.raises(PlanError, match="horizon_iterations"):
+        replan(t, w, current, horizon_iterations=0)
