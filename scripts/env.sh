@@ -29,14 +29,20 @@ key=$( (cat "$repo/requirements.lock"; echo "$pyver") | sha256sum | cut -c1-12)
 venv=${HYBRIDEP_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/megatron-hybridep/venv-$key}
 
 if [ ! -f "$venv/.complete" ]; then
-  echo "[env] creating $venv (python $pyver, requirements.lock $key); first time takes a few minutes" >&2
-  rm -rf "$venv"
   mkdir -p "$(dirname "$venv")"
-  "$py" -m venv "$venv"
-  # Only this lock is installed: the machine-wide pip constraint/find-links must not change versions.
-  PIP_CONSTRAINT= PIP_FIND_LINKS= "$venv/bin/python" -m pip install --quiet --no-input \
-    --disable-pip-version-check -r "$repo/requirements.lock" >&2
-  touch "$venv/.complete"
+  # One creator at a time (parallel test runs, several clones): the others wait, then reuse it.
+  exec 9>"$venv.lock"
+  flock 9
+  if [ ! -f "$venv/.complete" ]; then
+    echo "[env] creating $venv (python $pyver, requirements.lock $key); first time takes a few minutes" >&2
+    rm -rf "$venv"
+    "$py" -m venv "$venv"
+    # Only this lock is installed: the machine-wide pip constraint/find-links must not change versions.
+    PIP_CONSTRAINT= PIP_FIND_LINKS= "$venv/bin/python" -m pip install --quiet --no-input \
+      --disable-pip-version-check -r "$repo/requirements.lock" >&2
+    touch "$venv/.complete"
+  fi
+  flock -u 9
 fi
 
 export PATH="$venv/bin:$PATH"
