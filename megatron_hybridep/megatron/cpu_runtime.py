@@ -214,6 +214,12 @@ _MODULE_SHIMS: dict[str, str] = {
         "get_grad_norm_fp32 / clip_grad_by_total_norm_fp32 / count_zeros_fp32 buffers on 'cuda'",
     "megatron.core.transformer.moe.experts": "SequentialMLP / GroupedMLP device args",
     "megatron.core.utils": "GlobalMemoryBuffer.get_tensor (buffer on torch.cuda.current_device())",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async":
+        "FileSystemWriterAsync.preload_tensors (torch.cuda.synchronize)",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver":
+        "save_state_dict_async_finalize / verify_global_md_reuse flags on device='cuda'",
+    "megatron.core.dist_checkpointing.strategies.async_utils":
+        "AsyncCallsQueue liveness/finalize flags on torch.cuda.current_device(), synchronize",
     "megatron.core.transformer.utils": "get_default_causal_mask (mask built on device=\"cuda\")",
 }
 

@@ -59,7 +59,9 @@ def _context() -> mp.context.ForkServerContext:
 def _rank_main(fn: Callable, rank: int, world_size: int, port: int, timeout: float, threads: int,
                env: dict[str, str], dump_path: str, results: mp.Queue, args: tuple, kwargs: dict) -> None:
     os.environ.update(env)
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
+    for harmless in (r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*",
+                     r".*transformer-engine>=1\.7\.0 supports MoE experts.*"):
+        warnings.filterwarnings("ignore", message=harmless)  # CPU: no TE/Apex, by design
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     # A hung rank dumps every thread's stack and exits by itself, even if the parent is gone.
@@ -106,7 +108,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     results: mp.Queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hybridep-ranks-") as tmp:
         dumps = [os.path.join(tmp, f"rank{r}.stack") for r in range(world_size)]
-        procs = [ctx.Process(target=_rank_main, name=f"rank{r}", daemon=True,
+        # Not daemonic: ranks may start helpers (Megatron's checkpoint writer does). They still end
+        # by themselves (faulthandler timeout) and are killed in the finally below.
+        procs = [ctx.Process(target=_rank_main, name=f"rank{r}", daemon=False,
                              args=(fn, r, world_size, store.port, timeout, threads, dict(env or {}),
                                    dumps[r], results, args, kwargs))
                  for r in range(world_size)]

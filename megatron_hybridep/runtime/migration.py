@@ -17,6 +17,10 @@ import torch.distributed as dist
 
 from megatron_hybridep.runtime.instrument import Stats
 
+# torch >= 2.14 renamed the tensor-in/tensor-out collectives; older torch (>= 2.6 is supported) has the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class _Pending:
     """An in-flight all-gather: the buffer it fills and its handle."""
@@ -42,7 +46,7 @@ class _Gathered(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         out = grad.new_empty(ctx.numel)
         t0 = time.perf_counter()
-        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        _reduce_scatter(out, grad.contiguous(), group=ctx.group)
         if ctx.stats is not None:
             ctx.stats.add(ctx.layer, "grad_return", "domain", 0, time.perf_counter() - t0)
             _count_peer_bytes(ctx.stats, ctx.layer, "grad_return", ctx.levels, ctx.position,
@@ -87,7 +91,7 @@ class DomainGather:
             return
         flat = torch.cat([p.detach().reshape(-1) for p in self.params])
         buffer = flat.new_empty(self.size * self.numel)
-        handle = dist.all_gather_into_tensor(buffer, flat, group=self.group, async_op=True)
+        handle = _all_gather(buffer, flat, group=self.group, async_op=True)
         self._pending = _Pending(buffer, handle, time.perf_counter())
 
     def borrowed(self) -> list[dict[str, torch.Tensor] | None]:

@@ -1,0 +1,129 @@
+"""Command line of pretrain_moe.py: Megatron's own arguments (megatron.training.arguments, so every
+standard flag keeps its meaning) plus the plugin's flags, and YAML presets (--config) that set any
+flag, with the command line overriding them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+HYBRIDEP_CHOICE = "hybridep"
+
+
+class PresetError(ValueError):
+    """A --config preset that cannot be applied; names the key and the fix."""
+
+
+def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron extra-args provider: the plugin's flags, and 'hybridep' as a dispatcher choice."""
+    _allow_hybridep_dispatcher(parser)
+    g = parser.add_argument_group("HybridEP", "expert placement across data centres (megatron-hybridep)")
+    g.add_argument("--config", default=None, help="YAML preset setting any flag (command-line flags win)")
+    g.add_argument("--hybridep-topology", default=None,
+                   help="topology YAML (configs/topologies/), or 'slurm' to derive it from the allocation "
+                        "plus --hybridep-dc-map; default: 2 DCs x (world/2) ranks with the CPU demo's links")
+    g.add_argument("--hybridep-dc-map", default=None, help="YAML mapping hostnames/patterns to DCs (with slurm)")
+    g.add_argument("--hybridep-plan", default="auto",
+                   help="auto (the planner's choice), ep (S=1: Megatron's EP), replicated (EP inside each DC, "
+                        "experts replicated across DCs), or a plan JSON file from 'hybridep plan --out'")
+    g.add_argument("--hybridep-compression-ratio", type=float, default=1.0,
+                   help="expert weight compression for migration (1 = exact)")
+    g.add_argument("--hybridep-grad-compression-ratio", type=float, default=1.0,
+                   help="compression of borrowed experts' gradients returned to owners (1 = exact)")
+    g.add_argument("--hybridep-throughput-tflops", type=float, default=None,
+                   help="achieved TFLOP/s per rank for the cost model (default: 0.05 on CPU, 300 on GPU)")
+    g.add_argument("--hybridep-replan-interval", type=int, default=0,
+                   help="iterations between re-planning checks (0 = plan once at start-up)")
+    g.add_argument("--hybridep-log-plan", action="store_true", help="print every candidate plan at start-up")
+    g.add_argument("--hybridep-nproc", type=int, default=4,
+                   help="ranks to launch on this machine when not started by torchrun/srun (CPU, gloo)")
+    g.add_argument("--hybridep-synthetic-data", action="store_true",
+                   help="train on the built-in learnable Markov corpus (default when no --data-path/--mock-data)")
+    return parser
+
+
+def _allow_hybridep_dispatcher(parser: argparse.ArgumentParser) -> None:
+    for action in parser._actions:  # argparse has no public lookup by option string
+        if "--moe-token-dispatcher-type" in action.option_strings:
+            if action.choices is not None and HYBRIDEP_CHOICE not in action.choices:
+                action.choices = [*action.choices, HYBRIDEP_CHOICE]
+            return
+    raise RuntimeError("Megatron's parser has no --moe-token-dispatcher-type; unsupported megatron-core version")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = argparse.ArgumentParser(description="Megatron-Core MoE pretraining with HybridEP", allow_abbrev=False)
+    return add_hybridep_args(add_megatron_arguments(parser))
+
+
+def preset_to_argv(preset: dict[str, Any], parser: argparse.ArgumentParser, source: str) -> list[str]:
+    """Turn {flag_name: value} into argv tokens; unknown keys are an error naming the fix."""
+    by_dest = {}
+    for action in parser._actions:
+        for opt in action.option_strings:
+            if opt.startswith("--"):
+                by_dest.setdefault(opt[2:].replace("-", "_"), (opt, action))
+    argv: list[str] = []
+    for key, value in preset.items():
+        norm = str(key).replace("-", "_")
+        if norm not in by_dest:
+            close = [k for k in by_dest if norm in k or k in norm][:3]
+            raise PresetError(f"{source}: unknown key {key!r}; fix: use a flag name of pretrain_moe.py --help "
+                              f"(without '--'){', e.g. ' + ', '.join(close) if close else ''}")
+        opt, action = by_dest[norm]
+        if action.nargs == 0:  # store_true / store_false
+            if not isinstance(value, bool):
+                raise PresetError(f"{source}: {key} is a switch; fix: set it to true or false")
+            if value:  # the key names the flag itself: true passes it (also for --no-* switches)
+                argv.append(opt)
+            continue
+        if value is None:
+            continue
+        values = value if isinstance(value, list) else [value]
+        argv += [opt, *[str(v) for v in values]]
+    return argv
+
+
+def load_preset(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        raise PresetError(f"--config {path}: file not found; fix: pass a preset from configs/presets/")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise PresetError(f"--config {path}: expected a mapping of flag names to values")
+    base = data.pop("base", None)  # presets may extend another preset
+    if base is not None:
+        merged = load_preset(os.path.join(os.path.dirname(path), base))
+        merged.update(data)
+        return merged
+    return data
+
+
+def parse(argv: Sequence[str], default_config: str | None = None) -> argparse.Namespace:
+    """Megatron args + plugin args, with --config presets applied under the command line."""
+    parser = build_parser()
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(list(argv))
+    config = known.config or default_config
+    tokens = list(argv)
+    if config:
+        tokens = preset_to_argv(load_preset(config), parser, config) + tokens
+    # Megatron's parse_args reads sys.argv and post-processes (rank/world size from the env, MSC...).
+    from megatron.training.arguments import parse_args
+
+    saved, sys.argv = sys.argv, ["pretrain_moe.py", *tokens]
+    try:
+        args = parse_args(extra_args_provider=add_hybridep_args)
+    finally:
+        sys.argv = saved
+    args.config = config
+    args.argv = tokens
+    return args

@@ -1,0 +1,68 @@
+"""--save/--load for the CPU loop with Megatron's dist_checkpointing (the same sharded format the
+GPU path writes). HybridEP saves exactly what plain EP saves: borrowed expert copies are not
+parameters, so a checkpoint written under hybridep loads under alltoall and the reverse."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _sharded_state(model: Any, optimizer: Any, scheduler: Any, iteration: int, loading: bool = False) -> dict[str, Any]:
+    model_sd = model.module.sharded_state_dict()
+    # is_loading creates the optimizer's (Adam) state first, so the template has slots to fill.
+    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=loading),
+            "opt_param_scheduler": scheduler.state_dict(), "iteration": iteration}
+
+
+def save(args: argparse.Namespace, iteration: int, model: Any, optimizer: Any, scheduler: Any) -> str:
+    from megatron.core import dist_checkpointing
+
+    path = _dir(args.save, iteration)
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, iteration), path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(args.save, TRACKER), "w") as f:
+            f.write(str(iteration))
+    dist.barrier()
+    return path
+
+
+def latest_iteration(root: str) -> int | None:
+    tracker = os.path.join(root, TRACKER)
+    if not os.path.exists(tracker):
+        return None
+    with open(tracker) as f:
+        return int(f.read().strip())
+
+
+def load(args: argparse.Namespace, model: Any, optimizer: Any, scheduler: Any) -> int:
+    """Restore model, optimizer and scheduler; returns the iteration to continue from (0 when the
+    directory holds no checkpoint, as Megatron does)."""
+    from megatron.core import dist_checkpointing
+
+    iteration = latest_iteration(args.load)
+    if iteration is None:
+        if getattr(args, "exit_on_missing_checkpoint", False):
+            raise FileNotFoundError(f"--load {args.load}: no {TRACKER}; fix: point --load at a --save directory")
+        return 0
+    template = _sharded_state(model, optimizer, scheduler, iteration, loading=True)
+    state = dist_checkpointing.load(template, _dir(args.load, iteration))
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["opt_param_scheduler"])
+    torch.distributed.barrier()
+    return int(state["iteration"])

@@ -1,0 +1,76 @@
+"""Training batches for the CPU loop: the built-in synthetic corpus, Megatron's mock data
+(--mock-data) or Megatron indexed datasets (--data-path), each deterministic in the iteration so a
+resumed run sees exactly the batches an uninterrupted one would."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+
+import torch
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def source(args: argparse.Namespace) -> str:
+    if args.data_path or args.train_data_path:
+        return "indexed"
+    return "mock" if args.mock_data else "synthetic"
+
+
+def corpus(args: argparse.Namespace):  # noqa: ANN201 - MarkovCorpus
+    from megatron_hybridep.data.synthetic import MarkovCorpus
+
+    return MarkovCorpus(vocab_size=args.vocab_size or 256, seed=args.seed)
+
+
+def train_batches(args: argparse.Namespace, start_iteration: int = 0) -> Iterator[Batch]:
+    from megatron.core import parallel_state as ps
+
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    micro = args.global_batch_size // (args.micro_batch_size * dp_size)
+    kind = source(args)
+    if kind == "synthetic":
+        c = corpus(args)
+        step = start_iteration * micro
+        while True:
+            yield c.batch(args.micro_batch_size, args.seq_length, dp_rank, step)
+            step += 1
+    dataset = _megatron_dataset(args, kind)
+    sample = start_iteration * args.global_batch_size
+    while True:
+        # Megatron's order: a global batch is dp_size * micro micro-batches; this rank's micro-batch
+        # m takes samples [m*dp*mbs + dp_rank*mbs, ... + mbs).
+        for m in range(micro):
+            first = sample + (m * dp_size + dp_rank) * args.micro_batch_size
+            items = [dataset[(first + j) % len(dataset)] for j in range(args.micro_batch_size)]
+            tokens = torch.stack([torch.as_tensor(it["tokens"]) for it in items]).long()
+            labels = torch.stack([torch.as_tensor(it["labels"]) for it in items]).long()
+            yield tokens, labels
+        sample += args.global_batch_size
+
+
+def _megatron_dataset(args: argparse.Namespace, kind: str):  # noqa: ANN202
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_tokenizer
+    from megatron.training.global_vars import _build_tokenizer
+
+    try:
+        tokenizer = get_tokenizer()
+    except AssertionError:
+        tokenizer = _build_tokenizer(args)
+    blend = None
+    if kind == "indexed":
+        from megatron.core.datasets.utils import get_blend_from_list
+
+        blend = get_blend_from_list(args.data_path)
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
+        split=args.split or "100,0,0", tokenizer=tokenizer, reset_position_ids=False,
+        reset_attention_mask=False, eod_mask_loss=False, mmap_bin_files=True,
+        path_to_cache=args.data_cache_path, mid_level_dataset_surplus=0.005)
+    samples = args.train_iters * args.global_batch_size
+    dataset_type = MockGPTDataset if kind == "mock" else GPTDataset
+    train, _, _ = BlendedMegatronDatasetBuilder(dataset_type, [samples, 0, 0], lambda: True, config).build()
+    return train

@@ -1,0 +1,103 @@
+"""pretrain_moe.py on GPU clusters: Megatron's own training loop (megatron.training.pretrain), with
+its checkpointing, logging and data pipeline, as pretrain_gpt.py uses it. The plugin adds the
+hybridep dispatcher (registered before the model is built) and the plan (chosen once the model
+parallel groups exist). Written against megatron-core 0.19.2's megatron.training API; CUDA only,
+so it is not exercised by the CPU test suite (the CPU loop in cpu_loop.py drives the same
+Megatron model, DDP, optimizer and checkpoint code)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+from typing import Any
+
+import torch
+
+from megatron_hybridep.megatron.arguments import add_hybridep_args
+
+
+def _model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+                    config: Any = None, pg_collection: Any = None) -> Any:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from megatron_hybridep.megatron import setup
+    from megatron_hybridep.megatron.planning import choose
+    from megatron_hybridep.runtime.context import get_runtime
+
+    args = get_args()
+    config = config or core_transformer_config_from_args(args)
+    if args.moe_token_dispatcher_type == "hybridep" and get_runtime() is None:
+        choice = choose(args, torch.distributed.get_world_size())
+        if choice.dispatcher != "hybridep":
+            raise SystemExit(f"hybridep: the planner chose '{choice.plan.label}', which is Megatron's EP inside "
+                             f"each DC; rerun with --moe-token-dispatcher-type alltoall --expert-model-parallel-size "
+                             f"{choice.megatron_ep_size} (or force a plan with --hybridep-plan)")
+        setup([choice.plan], ep_group=parallel_state.get_expert_model_parallel_group(),
+              num_experts=args.num_experts)
+    if args.transformer_impl == "transformer_engine":
+        spec = get_gpt_layer_with_transformer_engine_spec(args.num_experts, args.moe_grouped_gemm,
+                                                          args.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
+                    post_process=post_process, parallel_output=True,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+                    vp_stage=vp_stage)
+
+
+def _loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    mask = loss_mask.view(-1).float()
+    total = torch.sum(output.view(-1).float() * mask)
+    tokens = mask.sum().to(torch.int)
+    report = torch.cat([total.clone().detach().view(1), tokens.view(1).float()])
+    return total, tokens, {"lm loss": report}
+
+
+def _forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+    batch = next(data_iterator)
+    tokens, labels = batch["tokens"].cuda(), batch["labels"].cuda()
+    loss_mask = batch["loss_mask"].cuda()
+    position_ids = batch["position_ids"].cuda()
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, partial(_loss, loss_mask)
+
+
+def _datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None) -> tuple:
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.utils import get_blend_from_list
+    from megatron.training import get_args, get_tokenizer
+
+    args = get_args()
+    config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length,
+                              blend=get_blend_from_list(args.data_path), split=args.split,
+                              tokenizer=get_tokenizer(), reset_position_ids=args.reset_position_ids,
+                              reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+                              path_to_cache=args.data_cache_path, mid_level_dataset_surplus=0.005)
+    kind = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(kind, train_val_test_num_samples, lambda: True, config).build()
+
+
+def pretrain(args: argparse.Namespace) -> int:
+    """Hand the (preset-merged) command line to Megatron's pretrain()."""
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain as megatron_pretrain
+
+    from megatron_hybridep.megatron import register
+
+    register()
+    _datasets_provider.is_distributed = True
+    sys.argv = ["pretrain_moe.py", *args.argv]
+    megatron_pretrain(_datasets_provider, _model_provider, ModelType.encoder_or_decoder, _forward_step,
+                      extra_args_provider=add_hybridep_args)
+    return 0

@@ -1,0 +1,91 @@
+"""From Megatron arguments to a Plan: topology (YAML, SLURM or the CPU default), workload (the
+model's shape from args) and --hybridep-plan (auto / ep / replicated / a plan file)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from megatron_hybridep.plan.plan import Plan, PlanError
+from megatron_hybridep.plan.planner import PlanningResult, choose_plan
+from megatron_hybridep.plan.topology import Topology
+from megatron_hybridep.plan.workload import Workload
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CPU_LINKS = os.path.join(REPO, "configs", "topologies", "2dc_x_2.yaml")
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    plan: Plan
+    topology: Topology
+    result: PlanningResult | None  # None for hand-picked plans
+
+    @property
+    def megatron_ep_size(self) -> int:
+        return self.plan.megatron_ep_size
+
+    @property
+    def dispatcher(self) -> str:
+        """What Megatron runs: the replicated plan is Megatron's own EP inside each DC."""
+        return "alltoall" if self.plan.kind == "replicated" else "hybridep"
+
+
+def topology_for(args: argparse.Namespace, world_size: int) -> Topology:
+    spec = args.hybridep_topology
+    if spec == "slurm":
+        from megatron_hybridep.plan.slurm import topology_from_slurm
+
+        if not args.hybridep_dc_map:
+            raise PlanError("--hybridep-topology slurm needs --hybridep-dc-map FILE (hostname patterns -> DC); "
+                            "fix: see configs/slurm/dc_map.example.yaml")
+        topo = topology_from_slurm(args.hybridep_dc_map)
+    elif spec:
+        topo = Topology.from_yaml(spec)
+    else:  # the CPU demo: 2 emulated DCs with the 2dc_x_2 preset's links
+        base = Topology.from_yaml(CPU_LINKS)
+        counts = (2, world_size // 2) if world_size % 2 == 0 and world_size >= 2 else (1, world_size)
+        topo = base.with_counts(counts, source=f"built-in CPU default ({counts[0]} DCs x {counts[1]})")
+    if topo.world_size != world_size:
+        raise PlanError(f"--hybridep-topology: {topo.describe()} but the job has {world_size} ranks; fix: use a "
+                        "topology whose level counts multiply to the world size")
+    return topo
+
+
+def workload_for(args: argparse.Namespace) -> Workload:
+    bytes_per = 2 if (args.bf16 or args.fp16) else 4
+    tflops = args.hybridep_throughput_tflops
+    if tflops is None:
+        import torch
+
+        tflops = 300.0 if torch.cuda.is_available() else 0.05
+    return Workload(
+        hidden_size=args.hidden_size, ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
+        num_experts=args.num_experts, top_k=args.moe_router_topk, num_moe_layers=args.num_layers,
+        num_layers=args.num_layers, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        gated_mlp=bool(args.swiglu), activation_bytes=bytes_per, weight_bytes=bytes_per, grad_bytes=bytes_per,
+        throughput_tflops=tflops, compression_ratio=args.hybridep_compression_ratio,
+        grad_compression_ratio=args.hybridep_grad_compression_ratio, name="from arguments")
+
+
+def choose(args: argparse.Namespace, world_size: int) -> PlanChoice:
+    """The plan this job runs (identical on every rank: pure function of args and topology)."""
+    topo = topology_for(args, world_size)
+    ep = args.expert_model_parallel_size
+    layout = topo.ep_layout(ep)
+    mode = args.hybridep_plan
+    if mode == "ep":
+        return PlanChoice(Plan.grid(layout.counts, (1,) * len(layout.counts), args.num_experts, layout.names),
+                          topo, None)
+    if mode == "replicated":
+        return PlanChoice(Plan.replicated(layout.counts, args.num_experts, layout.names), topo, None)
+    if mode == "auto":
+        result = choose_plan(topo, workload_for(args), ep)
+        return PlanChoice(result.best, topo, result)
+    if not os.path.exists(mode):
+        raise PlanError(f"--hybridep-plan {mode!r}: not auto, ep, replicated or an existing plan file; fix: "
+                        "pass one of those (plan files come from 'hybridep plan --out plan.json')")
+    plan = Plan.load(mode)
+    plan.validate(ep if plan.kind != "replicated" else plan.megatron_ep_size, args.num_experts)
+    return PlanChoice(plan, topo, None)

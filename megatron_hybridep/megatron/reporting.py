@@ -1,0 +1,104 @@
+"""What a training run shows: a progress line every --log-interval iterations (iteration, loss,
+step time, tokens/s, the plan, bytes over inter-DC links, exposed communication), TensorBoard
+scalars with --tensorboard-dir, and a closing summary."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_hybridep.megatron.planning import PlanChoice
+from megatron_hybridep.plan.cost import bytes_human
+
+
+class Reporter:
+    def __init__(self, args: argparse.Namespace, choice: PlanChoice | None, runtime: Any, rank: int) -> None:
+        from megatron_hybridep.megatron.cpu_loop import RunSummary
+
+        self.args, self.choice, self.runtime, self.rank = args, choice, runtime, rank
+        self.summary = RunSummary(plan=self.plan_label)
+        self.tb = None
+        if args.tensorboard_dir and rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(args.tensorboard_dir)
+        self.tokens_per_iter = args.global_batch_size * args.seq_length
+        self.predicted = choice.plan.predicted.get("total") if choice is not None else None
+        if rank == 0:
+            self._header()
+
+    @property
+    def plan_label(self) -> str:
+        if self.choice is None:
+            return f"Megatron {self.args.moe_token_dispatcher_type} EP={self.args.expert_model_parallel_size}"
+        return self.choice.plan.label
+
+    def _header(self) -> None:
+        a = self.args
+        print(f"[pretrain_moe] GPT-MoE {a.num_layers} layers, hidden {a.hidden_size}, {a.num_experts} experts "
+              f"top-{a.moe_router_topk}, world {a.world_size}, EP {a.expert_model_parallel_size}, "
+              f"dispatcher {a.moe_token_dispatcher_type}", flush=True)
+        if self.choice is not None:
+            print(f"[pretrain_moe] topology: {self.choice.topology.describe()} ({self.choice.topology.source})")
+            p = self.choice.plan
+            print(f"[pretrain_moe] plan: {p.label}; domains {list(p.domains)}; rails {list(p.rails)}"
+                  + (f"; predicted {self.predicted * 1e3:.1f} ms/iter" if self.predicted else ""), flush=True)
+            if self.args.hybridep_log_plan and self.choice.result is not None:
+                for c in self.choice.result.candidates:
+                    mark = "*" if c.plan == self.choice.plan else " "
+                    print(f"   {mark} {c.plan.label:<28} {c.cost.total * 1e3:9.2f} ms")
+
+    def _comm(self) -> tuple[float, float]:
+        """(inter-DC bytes this iteration summed over ranks, exposed comm seconds on this rank)."""
+        if self.runtime is None:
+            return 0.0, 0.0
+        stats = self.runtime.stats
+        t = torch.tensor([float(stats.bytes_by(level="dc"))])
+        dist.all_reduce(t)
+        exposed = stats.seconds_by(group="rail") + stats.seconds_by(phase="expert_gather")
+        stats.reset()
+        return t.item(), exposed
+
+    def step(self, iteration: int, loss: float, seconds: float, grad_norm: Any, scheduler: Any) -> None:
+        from megatron.core import parallel_state as ps
+
+        t = torch.tensor([loss])
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        loss = t.item() / ps.get_data_parallel_world_size()
+        inter_dc, exposed = self._comm()
+        s = self.summary
+        s.iterations = iteration
+        s.losses.append(loss)
+        s.step_times.append(seconds)
+        s.inter_dc_bytes += inter_dc
+        if iteration == 1:
+            s.first_loss = loss
+        s.final_loss = loss
+        if self.rank != 0:
+            return
+        lr = scheduler.optimizer.param_groups[0]["lr"]
+        tps = self.tokens_per_iter / seconds
+        if self.tb is not None:
+            for name, value in (("loss", loss), ("step_time_s", seconds), ("tokens_per_s", tps), ("lr", lr),
+                                ("inter_dc_bytes", inter_dc), ("exposed_comm_s", exposed)):
+                self.tb.add_scalar(f"train/{name}", value, iteration)
+            if self.predicted:
+                self.tb.add_scalar("train/predicted_step_time_s", self.predicted, iteration)
+        if iteration % max(1, self.args.log_interval) == 0 or iteration == self.args.train_iters:
+            print(f" iter {iteration:5d}/{self.args.train_iters} | loss {loss:7.4f} | step {seconds * 1e3:7.1f} ms | "
+                  f"{tps:9.0f} tok/s | lr {lr:.2e} | grad-norm {float(grad_norm or 0):6.3f} | "
+                  f"inter-DC {bytes_human(inter_dc)}/iter | exposed comm {exposed * 1e3:6.1f} ms | "
+                  f"plan {self.plan_label}", flush=True)
+
+    def finish(self, wall: float) -> Any:
+        s = self.summary
+        s.wall_s = wall
+        if s.step_times:
+            s.tokens_per_s = self.tokens_per_iter / statistics.median(s.step_times)
+        if self.tb is not None:
+            self.tb.close()
+        return s
