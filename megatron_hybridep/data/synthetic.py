@@ -1,9 +1,11 @@
 """A synthetic corpus that a small model can actually learn.
 
-Tokens follow a sparse first-order Markov chain: every token has ``branching`` likely successors.
-The unigram entropy is close to log(vocab) while the conditional entropy is about
-log(branching), so a model that learns the transitions drives the loss far below the unigram
-entropy; a loss that only falls to the unigram entropy means nothing but frequencies was learned.
+Tokens follow a sparse Markov chain of order ``order``: every context of the last ``order``
+tokens has ``branching`` likely successors. The unigram entropy is close to log(vocab) while the
+conditional entropy is about log(branching), so a model that learns the transitions drives the
+loss far below the unigram entropy; a loss that only falls to the unigram entropy means nothing
+but frequencies was learned. Order 1 is learnable by embeddings alone; order 2 needs attention
+to bring the previous token over and the MLPs (the experts) to map token pairs to successors.
 """
 
 from __future__ import annotations
@@ -16,11 +18,26 @@ import torch
 
 
 @functools.cache
-def _transitions(vocab_size: int, branching: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    succ = np.stack([rng.choice(vocab_size, branching, replace=False) for _ in range(vocab_size)])
-    probs = rng.dirichlet(np.full(branching, 2.0), size=vocab_size)
+def _transitions(vocab_size: int, branching: int, seed: int, order: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed if order == 1 else [seed, order])
+    states = vocab_size**order
+    succ = np.argsort(rng.random((states, vocab_size)), axis=1)[:, :branching]  # distinct successors
+    probs = rng.dirichlet(np.full(branching, 2.0), size=states)
     return succ, probs
+
+
+@functools.cache
+def _stationary(vocab_size: int, branching: int, seed: int, order: int) -> np.ndarray:
+    """Stationary distribution over contexts (power iteration; the chain mixes fast)."""
+    succ, probs = _transitions(vocab_size, branching, seed, order)
+    states = vocab_size**order
+    nxt = (np.arange(states)[:, None] * vocab_size + succ) % states  # context after emitting succ
+    pi = np.full(states, 1.0 / states)
+    for _ in range(300):
+        new = np.zeros(states)
+        np.add.at(new, nxt.ravel(), (pi[:, None] * probs).ravel())
+        pi = new
+    return pi / pi.sum()
 
 
 @dataclass(frozen=True)
@@ -28,30 +45,27 @@ class MarkovCorpus:
     vocab_size: int = 256
     branching: int = 4
     seed: int = 0
+    order: int = 1
 
     def transitions(self) -> tuple[np.ndarray, np.ndarray]:
-        """(successors [V, b], probabilities [V, b]) of the chain."""
-        return _transitions(self.vocab_size, self.branching, self.seed)
+        """(successors [V**order, b], probabilities [V**order, b]) of the chain."""
+        return _transitions(self.vocab_size, self.branching, self.seed, self.order)
 
     def stationary(self) -> np.ndarray:
-        succ, probs = self.transitions()
-        p = np.zeros((self.vocab_size, self.vocab_size))
-        np.add.at(p, (np.repeat(np.arange(self.vocab_size), self.branching), succ.ravel()), probs.ravel())
-        pi = np.full(self.vocab_size, 1.0 / self.vocab_size)
-        for _ in range(500):  # power iteration; the chain mixes fast
-            pi = pi @ p
-        return pi / pi.sum()
+        return _stationary(self.vocab_size, self.branching, self.seed, self.order)
 
     def unigram_entropy(self) -> float:
-        pi = self.stationary()
-        pi = pi[pi > 0]
-        return float(-(pi * np.log(pi)).sum())
+        succ, probs = self.transitions()
+        token = np.zeros(self.vocab_size)
+        np.add.at(token, succ.ravel(), (self.stationary()[:, None] * probs).ravel())
+        token = token[token > 0]
+        return float(-(token * np.log(token)).sum())
 
     def conditional_entropy(self) -> float:
         """The best achievable loss (nats/token) for a model that knows the chain."""
         _, probs = self.transitions()
-        per_token = -(probs * np.log(probs)).sum(axis=1)
-        return float((self.stationary() * per_token).sum())
+        per_context = -(probs * np.log(probs)).sum(axis=1)
+        return float((self.stationary() * per_context).sum())
 
     def batch(self, batch_size: int, seq_len: int, stream: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, labels) of shape [batch, seq]; deterministic in (seed, stream, step) so runs
@@ -59,12 +73,17 @@ class MarkovCorpus:
         succ, probs = self.transitions()
         rng = np.random.default_rng([self.seed, stream, step])
         cum = probs.cumsum(axis=1)
-        seq = np.empty((batch_size, seq_len + 1), dtype=np.int64)
-        seq[:, 0] = rng.integers(0, self.vocab_size, batch_size)
+        v, k = self.vocab_size, self.order
+        seq = np.empty((batch_size, seq_len + k), dtype=np.int64)
+        seq[:, :k] = rng.integers(0, v, (batch_size, k))
         u = rng.random((batch_size, seq_len))
+        ctx = np.zeros(batch_size, dtype=np.int64)
+        for j in range(k):
+            ctx = ctx * v + seq[:, j]
         for t in range(seq_len):
-            prev = seq[:, t]
-            choice = (u[:, t, None] > cum[prev]).sum(axis=1).clip(max=self.branching - 1)
-            seq[:, t + 1] = succ[prev, choice]
-        data = torch.from_numpy(seq)
+            choice = (u[:, t, None] > cum[ctx]).sum(axis=1).clip(max=self.branching - 1)
+            nxt = succ[ctx, choice]
+            seq[:, t + k] = nxt
+            ctx = (ctx * v + nxt) % (v**k)
+        data = torch.from_numpy(seq[:, k - 1:])
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()

@@ -22,6 +22,7 @@ class PresetError(ValueError):
 def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron extra-args provider: the plugin's flags, and 'hybridep' as a dispatcher choice."""
     _allow_hybridep_dispatcher(parser)
+    _escape_bad_help(parser)
     g = parser.add_argument_group("HybridEP", "expert placement across data centres (megatron-hybridep)")
     g.add_argument("--config", default=None, help="YAML preset setting any flag (command-line flags win)")
     g.add_argument("--hybridep-topology", default=None,
@@ -35,16 +36,29 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="expert weight compression for migration (1 = exact)")
     g.add_argument("--hybridep-grad-compression-ratio", type=float, default=1.0,
                    help="compression of borrowed experts' gradients returned to owners (1 = exact)")
+    g.add_argument("--hybridep-shared-refresh-interval", type=int, default=10,
+                   help="optimizer steps between refreshes of the shared expert used by compression (0 = never)")
+    g.add_argument("--hybridep-no-shared-expert", action="store_true",
+                   help="compress experts as plain top-k, without the shared expert (the paper's ablation)")
     g.add_argument("--hybridep-throughput-tflops", type=float, default=None,
                    help="achieved TFLOP/s per rank for the cost model (default: 0.05 on CPU, 300 on GPU)")
-    g.add_argument("--hybridep-replan-interval", type=int, default=0,
-                   help="iterations between re-planning checks (0 = plan once at start-up)")
     g.add_argument("--hybridep-log-plan", action="store_true", help="print every candidate plan at start-up")
     g.add_argument("--hybridep-nproc", type=int, default=4,
                    help="ranks to launch on this machine when not started by torchrun/srun (CPU, gloo)")
     g.add_argument("--hybridep-synthetic-data", action="store_true",
                    help="train on the built-in learnable Markov corpus (default when no --data-path/--mock-data)")
     return parser
+
+
+def _escape_bad_help(parser: argparse.ArgumentParser) -> None:
+    """argparse %-formats help text; a few Megatron help strings contain a bare '%' (e.g. '10%')
+    and would crash --help. Escape only those."""
+    for action in parser._actions:
+        if action.help and "%" in action.help:
+            try:
+                action.help % {**vars(action), "prog": parser.prog}
+            except (ValueError, TypeError, KeyError):
+                action.help = action.help.replace("%", "%%")
 
 
 def _allow_hybridep_dispatcher(parser: argparse.ArgumentParser) -> None:

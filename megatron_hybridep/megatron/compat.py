@@ -15,7 +15,13 @@ TESTED = "0.19.2"
 def megatron_core_version() -> Version:
     try:
         return Version(version("megatron-core"))
-    except PackageNotFoundError as exc:
+    except PackageNotFoundError:
+        pass
+    try:  # a Megatron-LM checkout on PYTHONPATH has no pip metadata
+        from megatron.core.package_info import __version__
+
+        return Version(__version__)
+    except ImportError as exc:
         raise ImportError(
             "megatron-core is not installed; install the pinned environment with ./scripts/test "
             "or `pip install megatron-core==0.19.2`"

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hybridep.megatron import checkpoint, data
-from megatron_hybridep.megatron.planning import PlanChoice, choose
+from megatron_hybridep.megatron.planning import PlanChoice, choose, migration_from_args
 
 log = logging.getLogger("pretrain_moe")
 
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> RunSummary:
     model_parallel_cuda_manual_seed(args.seed)
     runtime = None
     if choice is not None and choice.dispatcher == "hybridep":
-        runtime = setup([choice.plan], num_experts=args.num_experts)
+        runtime = setup([choice.plan], num_experts=args.num_experts, migration=migration_from_args(args))
     model, optimizer, scheduler, _ = build_model(args)
     iteration = checkpoint.load(args, model, optimizer, scheduler) if args.load else 0
     batches = data.train_batches(args, start_iteration=iteration)

@@ -28,20 +28,13 @@ def _model_provider(pre_process: bool = True, post_process: bool = True, vp_stag
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from megatron_hybridep.megatron import setup
-    from megatron_hybridep.megatron.planning import choose
+    from megatron_hybridep.megatron.planning import setup_from_args
     from megatron_hybridep.runtime.context import get_runtime
 
     args = get_args()
     config = config or core_transformer_config_from_args(args)
     if args.moe_token_dispatcher_type == "hybridep" and get_runtime() is None:
-        choice = choose(args, torch.distributed.get_world_size())
-        if choice.dispatcher != "hybridep":
-            raise SystemExit(f"hybridep: the planner chose '{choice.plan.label}', which is Megatron's EP inside "
-                             f"each DC; rerun with --moe-token-dispatcher-type alltoall --expert-model-parallel-size "
-                             f"{choice.megatron_ep_size} (or force a plan with --hybridep-plan)")
-        setup([choice.plan], ep_group=parallel_state.get_expert_model_parallel_group(),
-              num_experts=args.num_experts)
+        setup_from_args(args, torch.distributed.get_world_size(), parallel_state.get_expert_model_parallel_group())
     if args.transformer_impl == "transformer_engine":
         spec = get_gpt_layer_with_transformer_engine_spec(args.num_experts, args.moe_grouped_gemm,
                                                           args.qk_layernorm)

@@ -26,7 +26,7 @@ from torch.func import functional_call
 from megatron_hybridep.megatron.dispatcher import HybridEPTokenDispatcher, expert_order, instrument
 from megatron_hybridep.runtime.context import HybridEPRuntime, get_runtime
 from megatron_hybridep.runtime.groups import PlanGroups
-from megatron_hybridep.runtime.migration import DomainGather
+from megatron_hybridep.runtime.migration import DomainGather, SharedExpert
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,9 @@ class HybridEPMoELayer(MoELayer):
         self.hybridep = True
         self._runtime: HybridEPRuntime = runtime
         pg_collection = kwargs.get("pg_collection") or get_default_pg_collection()
+        cfg = runtime.migration
+        self._shared = (SharedExpert(runtime.ep_group, self.config.num_moe_experts, cfg.shared_refresh_every)
+                        if cfg.compresses_weights and cfg.use_shared else None)
         self._plan_state = [self._build_for_plan(g, pg_collection) for g in runtime.groups]
         self._index = runtime.register_layer(self)
         self.token_dispatcher = self._plan_state[runtime.active][0]
@@ -97,7 +100,8 @@ class HybridEPMoELayer(MoELayer):
         gather = None
         if domain_size > 1:
             gather = DomainGather(list(self.experts.named_parameters()), groups.domain, groups.domain_position,
-                                  layer=self._layer_key(), stats=self._runtime.stats, levels=groups.domain_levels)
+                                  layer=self._layer_key(), stats=self._runtime.stats, levels=groups.domain_levels,
+                                  num_local=local, config=self._runtime.migration, shared=self._shared)
         instrument(dispatcher, self._runtime.stats, self._layer_key(), groups.rail_levels)
         return dispatcher, gather
 
@@ -109,6 +113,11 @@ class HybridEPMoELayer(MoELayer):
         gather = self._plan_state[self._runtime.active][1]
         if gather is not None:
             gather.start()
+
+    def on_step(self, step: int) -> None:
+        for _, gather in self._plan_state:
+            if gather is not None:
+                gather.on_step(step)
 
     def drop_gather(self) -> None:
         for _, gather in self._plan_state:

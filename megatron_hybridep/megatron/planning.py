@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from megatron_hybridep.plan.plan import Plan, PlanError
 from megatron_hybridep.plan.planner import PlanningResult, choose_plan
 from megatron_hybridep.plan.topology import Topology
 from megatron_hybridep.plan.workload import Workload
+from megatron_hybridep.runtime.migration import MigrationConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CPU_LINKS = os.path.join(REPO, "configs", "topologies", "2dc_x_2.yaml")
@@ -69,6 +71,28 @@ def workload_for(args: argparse.Namespace) -> Workload:
         grad_compression_ratio=args.hybridep_grad_compression_ratio, name="from arguments")
 
 
+def migration_from_args(args: argparse.Namespace) -> MigrationConfig:
+    return MigrationConfig(compression_ratio=args.hybridep_compression_ratio,
+                           grad_compression_ratio=args.hybridep_grad_compression_ratio,
+                           use_shared=not args.hybridep_no_shared_expert,
+                           shared_refresh_every=args.hybridep_shared_refresh_interval)
+
+
+def setup_from_args(args: argparse.Namespace, world_size: int, ep_group: Any = None) -> PlanChoice:
+    """Choose the plan and build its runtime (after model-parallel init, before the model).
+    Raises when the plan is Megatron's replicated one: that needs a different EP size, which
+    must be set before model-parallel initialisation."""
+    from megatron_hybridep.megatron.register import setup
+
+    choice = choose(args, world_size)
+    if choice.dispatcher != "hybridep":
+        raise PlanError(f"hybridep: the plan is '{choice.plan.label}', Megatron's EP inside each DC; fix: rerun "
+                        f"with --moe-token-dispatcher-type alltoall --expert-model-parallel-size "
+                        f"{choice.megatron_ep_size}, or pick another plan with --hybridep-plan")
+    setup([choice.plan], ep_group=ep_group, num_experts=args.num_experts, migration=migration_from_args(args))
+    return choice
+
+
 def choose(args: argparse.Namespace, world_size: int) -> PlanChoice:
     """The plan this job runs (identical on every rank: pure function of args and topology)."""
     topo = topology_for(args, world_size)
@@ -79,6 +103,11 @@ def choose(args: argparse.Namespace, world_size: int) -> PlanChoice:
         return PlanChoice(Plan.grid(layout.counts, (1,) * len(layout.counts), args.num_experts, layout.names),
                           topo, None)
     if mode == "replicated":
+        if len(layout.counts) < 2 or not layout.spans_dcs:
+            raise PlanError(f"--hybridep-plan replicated: the EP group ({' x '.join(map(str, layout.counts))} "
+                            f"{'/'.join(layout.names)}) does not span two or more DCs, so there is nothing to "
+                            "replicate across; fix: use --hybridep-plan ep or auto, or a larger "
+                            "--expert-model-parallel-size that spans DCs")
         return PlanChoice(Plan.replicated(layout.counts, args.num_experts, layout.names), topo, None)
     if mode == "auto":
         result = choose_plan(topo, workload_for(args), ep)

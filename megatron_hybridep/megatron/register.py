@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron_hybridep.megatron.compat import check_megatron_version
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.runtime.context import HybridEPRuntime, get_runtime, set_runtime
+from megatron_hybridep.runtime.migration import MigrationConfig
 
 _SPEC_MODULES = ("megatron.core.models.gpt.moe_module_specs",)
 
@@ -32,7 +33,8 @@ def register() -> None:
 
 
 def setup(plans: Sequence[Plan], ep_group: dist.ProcessGroup | None = None, active: int = 0,
-          prefetch: bool = True, num_experts: int | None = None) -> HybridEPRuntime:
+          prefetch: bool = True, num_experts: int | None = None,
+          migration: MigrationConfig | None = None) -> HybridEPRuntime:
     """Validate the plans against this job (and the model's expert count, if given) and build
     their process groups (collective: call on every rank, after initialize_model_parallel, before
     building the model). Every check runs before the first collective."""
@@ -45,7 +47,7 @@ def setup(plans: Sequence[Plan], ep_group: dist.ProcessGroup | None = None, acti
 
         ep_group = parallel_state.get_expert_model_parallel_group()
     register()
-    runtime = HybridEPRuntime(plans, ep_group, active=active, prefetch=prefetch)
+    runtime = HybridEPRuntime(plans, ep_group, active=active, prefetch=prefetch, migration=migration)
     set_runtime(runtime)
     return runtime
 

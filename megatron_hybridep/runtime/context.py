@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.runtime.groups import PlanGroups, build_plan_groups, validate_for_job
 from megatron_hybridep.runtime.instrument import Stats
+from megatron_hybridep.runtime.migration import MigrationConfig
 
 log = logging.getLogger(__name__)
 
@@ -22,17 +23,21 @@ log = logging.getLogger(__name__)
 class GatheringLayer(Protocol):
     def start_gather(self) -> None: ...
     def drop_gather(self) -> None: ...
+    def on_step(self, step: int) -> None: ...
 
 
 class HybridEPRuntime:
     def __init__(self, plans: Sequence[Plan], ep_group: dist.ProcessGroup, active: int = 0,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, migration: MigrationConfig | None = None) -> None:
         if not plans:
             raise ValueError("HybridEPRuntime needs at least one plan")
         ep_size = dist.get_world_size(ep_group)
         for plan in plans:  # all checks before the first collective
             validate_for_job(plan, ep_size, plan.num_experts)
         self.plans = list(plans)
+        self.ep_group = ep_group
+        self.migration = migration or MigrationConfig()
+        self.step = 0
         self.groups: list[PlanGroups] = build_plan_groups(self.plans, ep_group)
         self.active = active
         self.prefetch = prefetch
@@ -58,7 +63,11 @@ class HybridEPRuntime:
             self.layers[index + 1].start_gather()
 
     def after_optimizer_step(self) -> None:
-        """Parameters are final for the next iteration: start the first layer's gather."""
+        """Parameters are final for the next iteration: advance the step (the shared-expert
+        refresh rule runs on it) and start the first layer's gather."""
+        self.step += 1
+        for layer in self.layers:
+            layer.on_step(self.step)
         if self.prefetch and self.layers:
             self.layers[0].start_gather()
 

@@ -1,20 +1,29 @@
 """Expert migration inside a domain: all-gather the experts of every domain peer, and return the
-gradients of the borrowed copies to their owners (the all-gather's transpose, a reduce-scatter).
+gradients of the borrowed copies to their owners (the all-gather's transpose).
 
 One ``DomainGather`` per MoE layer and plan. ``start()`` launches the all-gather asynchronously (so
 it overlaps attention and the previous layer); ``borrowed()`` waits and returns autograd-connected
-copies: their gradients flow back through the reduce-scatter into the owners' parameters, so
-Megatron's DDP hooks and optimizer see exactly what plain EP would give them.
+copies: their gradients flow back through the transpose into the owners' parameters, so Megatron's
+DDP hooks and optimizer see exactly what plain EP would give them.
+
+Compression (``MigrationConfig``): owners encode top-k(expert - shared) with the codec; borrowers
+rebuild shared + residual. Owners always compute with their exact weights; the gradient computed
+with a borrowed approximation is returned as the owner's gradient (straight-through), exactly or
+top-k compressed with error feedback. Memory bound per layer: while in flight, one payload buffer
+of S x (this rank's encoded experts); after decode, (S-1) decoded copies, held for backward.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from megatron_hybridep.runtime.compression import ErrorFeedbackTopK, SharedExpertRule, SharedResidualCodec
 from megatron_hybridep.runtime.instrument import Stats
 
 # torch >= 2.14 renamed the tensor-in/tensor-out collectives; older torch (>= 2.6 is supported) has the old names.
@@ -22,46 +31,89 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class _Pending:
-    """An in-flight all-gather: the buffer it fills and its handle."""
+@dataclass(frozen=True)
+class MigrationConfig:
+    """How experts move inside a domain. The defaults are exact (no compression)."""
 
-    def __init__(self, buffer: torch.Tensor, handle: dist.Work | None, started: float) -> None:
-        self.buffer, self.handle, self.started = buffer, handle, started
+    compression_ratio: float = 1.0       # element ratio of the expert weight codec (1 = exact)
+    grad_compression_ratio: float = 1.0  # the same for returned gradients, with error feedback
+    use_shared: bool = True              # shared + residual; False = plain top-k (the paper's ablation)
+    shared_refresh_every: int = 10       # optimizer steps between shared-expert refreshes (0 = frozen)
+
+    def __post_init__(self) -> None:
+        for name in ("compression_ratio", "grad_compression_ratio"):
+            if not getattr(self, name) >= 1.0:
+                raise ValueError(f"MigrationConfig.{name} must be >= 1 (1 = exact); got {getattr(self, name)}")
+        if self.shared_refresh_every < 0:
+            raise ValueError("MigrationConfig.shared_refresh_every must be >= 0 (0 = never refresh)")
+
+    @property
+    def compresses_weights(self) -> bool:
+        return self.compression_ratio > 1.0
+
+    @property
+    def compresses_grads(self) -> bool:
+        return self.grad_compression_ratio > 1.0
+
+
+def expert_major(named: Sequence[tuple[str, torch.nn.Parameter]], num_local: int
+                 ) -> list[tuple[str, torch.nn.Parameter]]:
+    """Parameters ordered expert by expert, so the flat buffer is [L, n] (a row per expert): the
+    codec compresses each expert on its own. Works for SequentialMLP (local_experts.<i>.*) and
+    grouped-GEMM experts (weight<i>/bias<i>)."""
+    if num_local == 1:
+        return list(named)
+    keyed = []
+    for pos, (name, p) in enumerate(named):
+        m = re.search(r"local_experts\.(\d+)\.", name) or re.search(r"(?:weight|bias)(\d+)$", name)
+        if m is None:
+            raise ValueError(f"cannot tell which local expert parameter {name!r} belongs to; compression needs "
+                             "SequentialMLP or grouped-GEMM experts")
+        keyed.append((int(m.group(1)), pos, name, p))
+    keyed.sort()
+    return [(name, p) for _, _, name, p in keyed]
+
+
+class SharedExpert:
+    """The shared expert of one MoE layer: the mean of all its experts' exact weights over the EP
+    group, identical on every rank (an all-reduce result), refreshed by ``SharedExpertRule``."""
+
+    def __init__(self, ep_group: dist.ProcessGroup, num_experts: int, refresh_every: int) -> None:
+        self.group, self.num_experts = ep_group, num_experts
+        self.rule = SharedExpertRule(refresh_every)
+        self.tensor: torch.Tensor | None = None
+
+    def _reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def update(self, step: int, rows: torch.Tensor) -> torch.Tensor:
+        """The shared tensor for this step (computes it the first time and when the rule says)."""
+        self.tensor = self.rule.maybe_refresh(step, self.tensor, list(rows.unbind(0)), self.num_experts,
+                                              self._reduce_sum)
+        return self.tensor
+
+
+class _Pending:
+    """An in-flight all-gather: the buffer it fills, its handle, and the shared tensor used."""
+
+    def __init__(self, buffer: torch.Tensor, handle: dist.Work | None, started: float,
+                 shared: torch.Tensor | None) -> None:
+        self.buffer, self.handle, self.started, self.shared = buffer, handle, started, shared
 
 
 class _Gathered(torch.autograd.Function):
-    """y = all_gather(x) within the domain; dy -> reduce_scatter(dy) (sum of every peer's gradient
-    for this rank's own chunk)."""
+    """y = gather(x) within the domain (decoded if compressed); dy -> the transpose: every peer's
+    gradient for this rank's own chunk, summed."""
 
     @staticmethod
-    def forward(ctx, flat_own: torch.Tensor, pending: _Pending, group: dist.ProcessGroup,  # noqa: ANN001
-                stats: Stats | None, layer: int, levels: tuple[str, ...], position: int) -> torch.Tensor:
-        ctx.group, ctx.stats, ctx.layer, ctx.numel = group, stats, layer, flat_own.numel()
-        ctx.levels, ctx.position = levels, position
-        if pending.handle is not None:
-            pending.handle.wait()
-        return pending.buffer
+    def forward(ctx, flat_own: torch.Tensor, pending: _Pending, owner: DomainGather) -> torch.Tensor:  # noqa: ANN001
+        ctx.owner = owner
+        return owner._finish(pending, flat_own)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        out = grad.new_empty(ctx.numel)
-        t0 = time.perf_counter()
-        _reduce_scatter(out, grad.contiguous(), group=ctx.group)
-        if ctx.stats is not None:
-            ctx.stats.add(ctx.layer, "grad_return", "domain", 0, time.perf_counter() - t0)
-            _count_peer_bytes(ctx.stats, ctx.layer, "grad_return", ctx.levels, ctx.position,
-                              out.numel() * out.element_size())
-        return out, None, None, None, None, None, None
-
-
-def _count_peer_bytes(stats: Stats | None, layer: int, phase: str, levels: Sequence[str], me: int,
-                      nbytes: int) -> None:
-    """One chunk of ``nbytes`` to every other domain member, counted per link level."""
-    if stats is None:
-        return
-    for pos, level in enumerate(levels):
-        if pos != me:
-            stats.add(layer, phase, "domain", nbytes, 0.0, level=level)
+        return ctx.owner._return_grads(grad), None, None
 
 
 class DomainGather:
@@ -69,30 +121,59 @@ class DomainGather:
 
     def __init__(self, params: Sequence[tuple[str, torch.nn.Parameter]], group: dist.ProcessGroup,
                  position: int, layer: int = 0, stats: Stats | None = None,
-                 levels: Sequence[str] | None = None) -> None:
-        self.names = [n for n, _ in params]
-        self.params = [p for _, p in params]
+                 levels: Sequence[str] | None = None, num_local: int = 1,
+                 config: MigrationConfig | None = None, shared: SharedExpert | None = None) -> None:
+        ordered = expert_major(params, num_local)
+        self.names = [n for n, _ in ordered]
+        self.params = [p for _, p in ordered]
         self.group, self.position, self.layer, self.stats = group, position, layer, stats
         self.size = dist.get_world_size(group)
         # link level towards each domain position, for per-level byte counts
         self.levels = tuple(levels) if levels is not None else ("all",) * self.size
         self.numel = sum(p.numel() for p in self.params)
+        self.num_local = num_local
+        self.config = config or MigrationConfig()
+        self.shared = shared
+        dtype = self.params[0].dtype
+        self.codec = (SharedResidualCodec(self.config.compression_ratio, use_shared=self.config.use_shared)
+                      if self.config.compresses_weights else None)
+        self.grad_codec = (ErrorFeedbackTopK(self.config.grad_compression_ratio)
+                           if self.config.compresses_grads else None)
+        if self.codec is not None and (self.shared is None) == self.config.use_shared:
+            raise ValueError("a shared+residual codec needs a SharedExpert (and plain top-k must not have one)")
+        row = self.numel // num_local
+        self.wire_bytes_per_rank = (num_local * self.codec.nbytes(row, dtype) if self.codec is not None
+                                    else self.numel * self.params[0].element_size())
         self._pending: _Pending | None = None
+        self._step = 0
 
     @property
     def bytes_per_rank(self) -> int:
-        """Expert bytes one rank ships to each peer (the P of the cost model, uncompressed)."""
-        return self.numel * self.params[0].element_size()
+        """Bytes one rank ships to each peer per gather (the P of the cost model, after compression)."""
+        return self.wire_bytes_per_rank
+
+    def _flat(self, detach: bool) -> torch.Tensor:
+        return torch.cat([(p.detach() if detach else p).reshape(-1) for p in self.params])
+
+    def on_step(self, step: int) -> None:
+        """After the optimizer step: the counter the shared-expert rule runs on."""
+        self._step = step
 
     def start(self) -> None:
         """Launch the all-gather now (no-op if one is in flight). Parameters must not change until
         ``borrowed()``: start it after the optimizer step or within a forward pass."""
         if self._pending is not None or self.size == 1:
             return
-        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
-        buffer = flat.new_empty(self.size * self.numel)
+        flat = self._flat(detach=True)
+        shared = None
+        if self.codec is not None:
+            rows = flat.view(self.num_local, -1)
+            if self.shared is not None:
+                shared = self.shared.update(self._step, rows)
+            flat = self.codec.encode_batch(rows, shared)
+        buffer = flat.new_empty(self.size * flat.numel())
         handle = _all_gather(buffer, flat, group=self.group, async_op=True)
-        self._pending = _Pending(buffer, handle, time.perf_counter())
+        self._pending = _Pending(buffer, handle, time.perf_counter(), shared)
 
     def borrowed(self) -> list[dict[str, torch.Tensor] | None]:
         """Per domain position, the peer's expert parameters by name (None for this rank itself:
@@ -102,14 +183,7 @@ class DomainGather:
         self.start()
         pending, self._pending = self._pending, None
         assert pending is not None
-        flat_own = torch.cat([p.reshape(-1) for p in self.params])  # the autograd path to the owners
-        t0 = time.perf_counter()
-        gathered = _Gathered.apply(flat_own, pending, self.group, self.stats, self.layer, self.levels,
-                                   self.position)
-        if self.stats is not None:
-            self.stats.add(self.layer, "expert_gather", "domain", 0, time.perf_counter() - t0,
-                           wall=time.perf_counter() - pending.started)
-            self._count_bytes("expert_gather")
+        gathered = _Gathered.apply(self._flat(detach=False), pending, self)
         out: list[dict[str, torch.Tensor] | None] = []
         for q, chunk in enumerate(gathered.split(self.numel)):
             if q == self.position:
@@ -122,8 +196,57 @@ class DomainGather:
             out.append(views)
         return out
 
-    def _count_bytes(self, phase: str) -> None:
-        _count_peer_bytes(self.stats, self.layer, phase, self.levels, self.position, self.bytes_per_rank)
+    # ---- called by _Gathered ----------------------------------------------------------------
+    def _finish(self, pending: _Pending, flat_own: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        if pending.handle is not None:
+            pending.handle.wait()
+        if self.codec is None:
+            result = pending.buffer
+        else:
+            result = flat_own.new_zeros(self.size * self.numel)
+            slots = pending.buffer.view(self.size, -1)
+            rows = result.view(self.size, self.num_local, -1)
+            for q in range(self.size):
+                if q != self.position:  # this rank's own slot is never used: owners are exact
+                    self.codec.decode_batch(slots[q], pending.shared, out=rows[q])
+        if self.stats is not None:
+            self.stats.add(self.layer, "expert_gather", "domain", 0, time.perf_counter() - t0,
+                           wall=time.perf_counter() - pending.started)
+            self._count_bytes("expert_gather", self.bytes_per_rank)
+        return result
+
+    def _return_grads(self, grad: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        grad = grad.contiguous()
+        out = grad.new_zeros(self.numel)
+        if self.grad_codec is None:
+            _reduce_scatter(out, grad, group=self.group)
+            nbytes = self.numel * grad.element_size()
+        else:
+            chunks = grad.view(self.size, -1)
+            nbytes = self.grad_codec.nbytes(self.numel, grad.dtype)
+            send = torch.zeros(self.size, nbytes, dtype=torch.uint8)
+            for q in range(self.size):
+                if q != self.position:
+                    self.grad_codec.compress((self.layer, q), chunks[q], out=send[q])
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=self.group)
+            for q in range(self.size):
+                if q != self.position:
+                    self.grad_codec.decompress(recv[q], out=out, accumulate=True)
+        if self.stats is not None:
+            self.stats.add(self.layer, "grad_return", "domain", 0, time.perf_counter() - t0)
+            self._count_bytes("grad_return", nbytes)
+        return out
+
+    def _count_bytes(self, phase: str, nbytes: int) -> None:
+        """One chunk of ``nbytes`` to every other domain member, counted per link level."""
+        if self.stats is None:
+            return
+        for pos, level in enumerate(self.levels):
+            if pos != self.position:
+                self.stats.add(self.layer, phase, "domain", nbytes, 0.0, level=level)
 
     def drop(self) -> None:
         """Forget an in-flight gather (plan switch): wait so the buffer is not written later."""
