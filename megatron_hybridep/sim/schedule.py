@@ -1,0 +1,133 @@
+"""The program one rank runs per iteration: compute phases and collectives in runtime order.
+
+``runtime`` (default) follows the code, not the paper:
+- after the optimizer step (runtime/context.py after_optimizer_step) the first MoE layer's expert
+  all-gather starts, so it overlaps that layer's attention;
+- MoE layer l, forward (megatron/moe_layer.py): attention etc. (T_pre); the token dispatch
+  all-to-all over the rail (blocking); wait for layer l's gather (``DomainGather.borrowed``);
+  experts; ``after_experts`` starts layer l+1's gather, which then overlaps layer l's combine
+  all-to-all (blocking), layer l+1's attention and dispatch: it shares their links;
+- every micro-batch gathers again: ``borrowed()`` consumes the pending gather and the next
+  micro-batch's ``forward()`` starts a new one (layer 0's after its attention, the others from
+  ``after_experts``), and the gradient of every micro-batch's gathered copies is returned;
+- backward, per layer in reverse: combine's transpose (blocking), expert backward (2x forward),
+  the gradient return to the owners (a blocking reduce-scatter in ``_Gathered.backward``), the
+  dispatch's transpose (blocking), attention backward (2x T_pre);
+- after the last micro-batch Megatron's finalize_model_grads all-reduces expert gradients over the
+  expert data-parallel replicas (blocking: the runtime builds DDP with overlap_grad_reduce=False);
+  shared-expert refresh (shared+residual codec) runs between the optimizer step and the encode.
+
+``gather="iteration"`` models a runtime that keeps gathered copies for all micro-batches and
+returns their gradients once (what the tier-b cost model assumes). ``paper`` is the paper's stream
+model as a schedule: layer l's gather starts with layer l's T_pre and is waited for before the
+dispatch (T = max(T_pre, AG) + 2 A2A), once per iteration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from megatron_hybridep.plan.errors import PlanError
+from megatron_hybridep.sim.engine import BLOCK, COMPUTE, START, WAIT, Instr
+
+SCHEDULES = ("runtime", "paper")
+GATHER_MODES = ("micro-batch", "iteration")
+
+# exposed-time phases (plan/cost.py PHASES): they sum to the iteration time
+PHASES = ("pre_compute", "expert_compute", "token_a2a_fwd", "token_a2a_bwd", "expert_allgather",
+          "grad_return", "shared_sync", "expert_grad_allreduce")
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    schedule: str = "runtime"
+    gather: str = "micro-batch"      # what the runtime does today; "iteration": gather once, return once
+    backward: bool = True            # False: forward passes only (the paper's model has no backward)
+    dense_grad_bytes: float = 0.0    # dense gradients all-reduced over all ranks after the backward (every
+    #   plan pays it alike, so 0 by default; the testbed comparison sets it from the model)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"schedule: unknown {self.schedule!r}; fix: use one of {', '.join(SCHEDULES)}")
+        if self.gather not in GATHER_MODES:
+            raise PlanError(f"gather: unknown {self.gather!r}; fix: use one of {', '.join(GATHER_MODES)}")
+        if not self.dense_grad_bytes >= 0:
+            raise PlanError(f"dense_grad_bytes: must be >= 0, got {self.dense_grad_bytes!r}")
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """What one MoE layer does on the simulated rank."""
+
+    t_pre: float                 # forward compute before the experts
+    expert: float                # forward expert compute (busiest rank)
+    dispatch: str                # collective names
+    combine: str
+
+
+def build_program(layers: Sequence[LayerWork], micro_batches: int, *, gather: str | None,
+                  grad_return: str | None, shared_sync: str | None, options: SimOptions,
+                  present: set[str] | None = None) -> list[Instr]:
+    """Instructions of one iteration on one rank of an EP group (world-level collectives are
+    appended by the caller). ``gather``/``grad_return``/``shared_sync``: collective names or None;
+    ``present``: the collectives that move bytes (others, e.g. the all-to-all of S = G, are skipped)."""
+    if present is not None:
+        gather, grad_return, shared_sync = (x if x in present else None for x in (gather, grad_return, shared_sync))
+    once = options.gather == "iteration" or options.schedule == "paper"
+    prog: list[Instr] = []
+    add = prog.append
+    Lm = len(layers)
+
+    def key(mb: int, layer: int) -> str:
+        return f"gather@{mb}.{layer}"
+
+    def gathers(mb: int) -> bool:
+        return gather is not None and (mb == 0 or not once)
+
+    def returns(mb: int) -> bool:
+        return grad_return is not None and (mb == micro_batches - 1 or not once)
+
+    if shared_sync is not None:
+        for layer in range(Lm):
+            add(Instr(BLOCK, "shared_sync", op=shared_sync, layer=layer, stage="step"))
+    if gather is not None and options.schedule == "runtime":
+        add(Instr(START, "expert_allgather", op=gather, key=key(0, 0), layer=0, micro_batch=0, stage="step"))
+    for mb in range(micro_batches):
+        for layer, w in enumerate(layers):
+            at: Callable[..., Instr] = _at(layer, mb, "fwd")
+            if options.schedule == "paper" and gathers(mb):
+                add(at(START, "expert_allgather", op=gather, key=key(mb, layer)))
+            add(at(COMPUTE, "pre_compute", seconds=w.t_pre))
+            if options.schedule == "paper" and gathers(mb):
+                add(at(WAIT, "expert_allgather", op=key(mb, layer)))
+            if options.schedule == "runtime" and gathers(mb) and mb > 0 and layer == 0:
+                add(at(START, "expert_allgather", op=gather, key=key(mb, 0)))   # MoE forward() start
+            add(at(BLOCK, "token_a2a_fwd", op=w.dispatch))
+            if options.schedule == "runtime" and gathers(mb):
+                add(at(WAIT, "expert_allgather", op=key(mb, layer)))            # borrowed()
+            add(at(COMPUTE, "expert_compute", seconds=w.expert))
+            if options.schedule == "runtime" and gathers(mb) and layer + 1 < Lm:
+                add(_at(layer + 1, mb, "fwd")(START, "expert_allgather", op=gather,
+                                              key=key(mb, layer + 1)))  # after_experts
+            add(at(BLOCK, "token_a2a_fwd", op=w.combine))
+        if not options.backward:
+            continue
+        for layer in range(Lm - 1, -1, -1):
+            w = layers[layer]
+            at = _at(layer, mb, "bwd")
+            add(at(BLOCK, "token_a2a_bwd", op=w.dispatch))    # combine's transpose: same direction as dispatch
+            add(at(COMPUTE, "expert_compute", seconds=2 * w.expert))
+            if returns(mb):
+                add(at(BLOCK, "grad_return", op=grad_return))
+            add(at(BLOCK, "token_a2a_bwd", op=w.combine))     # dispatch's transpose
+            add(at(COMPUTE, "pre_compute", seconds=2 * w.t_pre))
+    if present is not None:
+        prog = [i for i in prog if i.kind not in (BLOCK, START) or i.op in present]
+    return prog
+
+
+def _at(layer: int, mb: int, stage: str) -> Callable[..., Instr]:
+    def make(kind: str, phase: str, **kw: object) -> Instr:
+        return Instr(kind, phase, layer=layer, micro_batch=mb, stage=stage, **kw)  # type: ignore[arg-type]
+    return make

@@ -1,0 +1,330 @@
+"""Simulate one training iteration of a Plan on a Topology for a Workload.
+
+    result = simulate(topo, work, plan)           # SimResult: total, exposed phases, timeline, traffic
+    result = simulate(topo, work)                 # plan = the planner's choice (choose_plan)
+
+How: the EP groups of the world run the same program on disjoint links (an EP group is a contiguous
+block of ranks; its token all-to-alls, expert gathers and gradient returns stay inside it), so each
+*class* of EP groups (same per-pair overrides inside its span) is simulated once in its own space
+(flows.py) and the iteration waits for the slowest. Then the collectives that cross EP groups (expert
+data-parallel all-reduce, the replicated plan's all-reduce over DCs) run on the world's links.
+
+Cost: building flow classes O(sum over collectives of R x group size) with R = representatives
+(flows.py); each distinct segment of the program costs O(events x fills x K); identical layers and
+micro-batches hit the memo (engine.py). 1000 DCs x 8 GPUs, 256 experts: ~0.1-0.5 s
+(benchmarks/sim_time.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from megatron_hybridep.plan.errors import PlanError
+from megatron_hybridep.plan.network import (
+    Family,
+    dc_replica_family,
+    domain_family,
+    rail_family,
+    replica_family,
+    world_domain_sizes,
+)
+from megatron_hybridep.plan.plan import Plan
+from megatron_hybridep.plan.topology import EPLayout, Topology
+from megatron_hybridep.plan.workload import Workload
+from megatron_hybridep.sim.engine import BLOCK, Engine, EngineStats, Instr, Span, Trace
+from megatron_hybridep.sim.flows import A2A, PAIRS, RING, Collective, FlowSet, Space
+from megatron_hybridep.sim.schedule import PHASES, LayerWork, SimOptions, build_program
+
+
+@dataclass(frozen=True)
+class OpReport:
+    """One collective of the iteration."""
+
+    name: str
+    kind: str
+    occurrences: int
+    busy_seconds: float          # summed issue-to-completion time
+    exposed_seconds: float       # time the main thread waited for it
+    level_bytes: dict[str, float]   # bytes per rank crossing each level, per occurrence
+    uplink_bytes: dict[str, float]  # bytes through the busiest uplink of each level, per occurrence
+
+
+@dataclass(frozen=True)
+class GroupClass:
+    """EP groups that share the same per-pair link overrides: simulated once."""
+
+    groups: int
+    overrides: tuple[tuple[int, int], ...]
+    seconds: float               # EP-group part of the iteration (without world-level collectives)
+
+
+@dataclass
+class SimResult:
+    plan: Plan
+    total: float                             # seconds per iteration
+    phases: dict[str, float]                 # exposed seconds per phase (sum = total)
+    forward: float                           # seconds in forward passes (all micro-batches)
+    timeline: list[Span]                     # slowest EP-group class, then the world-level collectives
+    ops: dict[str, OpReport]
+    group_classes: list[GroupClass]
+    stats: EngineStats
+    traffic: dict[str, float] = field(default_factory=dict)   # bytes per rank per iteration crossing each level
+    notes: list[str] = field(default_factory=list)
+
+    def layer_forward(self, layer: int = 0, micro_batch: int = 0) -> float:
+        """Forward time of one MoE layer (from its T_pre to the end of its combine)."""
+        spans = [s for s in self.timeline if s.kind != "async" and s.stage == "fwd" and s.layer == layer
+                 and s.micro_batch == micro_batch]
+        return max(s.end for s in spans) - min(s.start for s in spans) if spans else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan.label, "domain_sizes": list(self.plan.domain_sizes), "kind": self.plan.kind,
+                "total": self.total, "forward": self.forward, "phases": dict(self.phases),
+                "traffic": dict(self.traffic),
+                "ops": {k: {"kind": o.kind, "occurrences": o.occurrences, "busy_seconds": o.busy_seconds,
+                            "exposed_seconds": o.exposed_seconds, "level_bytes": o.level_bytes,
+                            "uplink_bytes": o.uplink_bytes} for k, o in self.ops.items()},
+                "group_classes": [{"groups": g.groups, "overrides": [list(p) for p in g.overrides],
+                                   "seconds": g.seconds} for g in self.group_classes],
+                "notes": list(self.notes)}
+
+
+# ---- the EP group's collectives ------------------------------------------------------------------------------
+def _local(fam: Family, outer: int) -> Family:
+    return Family(fam.sizes[outer:], fam.strides[outer:])
+
+
+def ep_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLayout
+                   ) -> tuple[list[Collective], list[LayerWork], str | None, str | None, str | None]:
+    """Collectives inside one EP group (levels ``lay.outer``.. of the world) and the per-layer work."""
+    w, G, E = workload, plan.ep_size, plan.num_experts
+    o = lay.outer
+    S_world = world_domain_sizes(lay, plan.domain_sizes)
+    rails = _local(rail_family(lay, S_world), o)
+    colls: list[Collective] = []
+    routing = w.routing_for(G)
+    layers: list[LayerWork] = []
+    if routing is None:
+        pair = w.dispatch_bytes * plan.domain_size / G
+        colls += [Collective("dispatch", A2A, rails, pair), Collective("combine", A2A, rails, pair)]
+        load = float(w.tokens * w.top_k)
+        layers = [LayerWork(w.t_pre, load * w.expert_seconds_per_token, "dispatch", "combine")] * w.num_moe_layers
+    else:
+        dst = plan.compute_ranks().ravel()
+        src = np.repeat(np.arange(G), E)
+        works = []
+        for i, counts in enumerate(routing):
+            c = counts.ravel()
+            pair = np.bincount(src * G + dst, weights=c * w.token_bytes, minlength=G * G)
+            s, d = np.divmod(np.arange(G * G), G)
+            colls += [Collective(f"dispatch{i}", PAIRS, src=s, dst=d, pair_bytes=pair),
+                      Collective(f"combine{i}", PAIRS, src=d, dst=s, pair_bytes=pair)]
+            load = float(np.bincount(dst, weights=c, minlength=G).max())
+            works.append(LayerWork(w.t_pre, load * w.expert_seconds_per_token, f"dispatch{i}", f"combine{i}"))
+        layers = [works[li % len(works)] for li in range(w.num_moe_layers)] if len(works) == 1 else works
+    gather = grad_return = shared = None
+    if plan.kind == "domains" and plan.domain_size > 1:
+        S = plan.domain_size
+        own = E // G
+        dom = _local(domain_family(lay, S_world), o)
+        colls.append(Collective("gather", RING, dom, (S - 1) * own * w.expert_wire_bytes, S - 1))
+        colls.append(Collective("grad_return", RING, dom, (S - 1) * own * w.grad_wire_bytes, S - 1))
+        gather, grad_return = "gather", "grad_return"
+    if plan.kind == "domains" and G > 1 and w.shared_sync_bytes:
+        group = _local(domain_family(lay, lay.extent), o)
+        colls.append(Collective("shared_sync", RING, group, 2 * (G - 1) / G * w.shared_sync_bytes, 2 * (G - 1)))
+        shared = "shared_sync"
+    return colls, layers, gather, grad_return, shared
+
+
+def world_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLayout,
+                      dense_grad_bytes: float = 0.0) -> list[tuple[str, Collective]]:
+    """(phase, collective) across EP groups, in finalize_model_grads order: the dense gradients over
+    all ranks (when given), then the expert gradients over the expert data-parallel replicas (one
+    bucket each: Megatron DDP without overlap_grad_reduce reduces a buffer in one call)."""
+    w = workload
+    out = []
+    W = topology.world_size
+    if dense_grad_bytes > 0 and W > 1:
+        fam = Family(topology.level_counts, (1,) * len(topology.level_counts))
+        out.append(("dense_grad_allreduce",
+                    Collective("dense_grad_allreduce", RING, fam, 2 * (W - 1) / W * dense_grad_bytes, 2 * (W - 1))))
+    if plan.kind == "domains":
+        fam, k, own = replica_family(topology, lay), lay.num_groups, plan.num_experts // plan.ep_size
+    else:
+        fam, k, own = dc_replica_family(topology), topology.level_counts[0], plan.num_experts // plan.rail_size
+    if k > 1:
+        grad = own * w.expert_params * w.grad_bytes * w.num_moe_layers
+        out.append(("expert_grad_allreduce",
+                    Collective("expert_grad_allreduce", RING, fam, 2 * (k - 1) / k * grad, 2 * (k - 1))))
+    return out
+
+
+# ---- EP-group classes ----------------------------------------------------------------------------------------
+def group_classes(topology: Topology, lay: EPLayout) -> list[tuple[int, dict[tuple[int, int], tuple[float, float]]]]:
+    """(number of EP groups, local overrides at the outer level) per class of identical EP groups."""
+    lv = topology.levels[lay.outer]
+    e, n = lay.extent[lay.outer], lv.count
+    parents = math.prod(topology.level_counts[:lay.outer])
+    per_group: dict[int, dict[tuple[int, int], tuple[float, float]]] = defaultdict(dict)
+    for ov in lv.overrides:
+        if ov.a // e == ov.b // e:
+            g = ov.a // e
+            vals = (ov.bandwidth_gbps * 1e9 / 8, ov.latency_us * 1e-6)
+            per_group[g][(ov.a % e, ov.b % e)] = vals
+            per_group[g][(ov.b % e, ov.a % e)] = vals
+    classes: dict[tuple, list] = {}
+    for g in range(n // e):
+        table = per_group.get(g, {})
+        sig = tuple(sorted(table.items()))
+        if sig not in classes:
+            classes[sig] = [0, table]
+        classes[sig][0] += parents
+    return [(c[0], c[1]) for c in classes.values()]
+
+
+def _ep_space(topology: Topology, lay: EPLayout, local_over: dict, colls: Sequence[Collective],
+              symmetry: bool = True) -> Space:
+    o = lay.outer
+    levels = topology.levels[o:]
+    counts = lay.extent[o:]
+    overrides = [dict(local_over)] + [_override_dict(lv) for lv in levels[1:]]
+    periods = Space.periods_for(colls, counts) if symmetry else counts
+    return Space(levels, counts, periods, overrides)
+
+
+def _override_dict(lv: Any) -> dict[tuple[int, int], tuple[float, float]]:
+    a, b, bw, lat = lv.override_arrays()
+    return {(int(x), int(y)): (float(u), float(v)) for x, y, u, v in zip(a, b, bw, lat, strict=True)}
+
+
+def _build(space: Space, colls: Sequence[Collective]) -> list[FlowSet]:
+    sets = [space.flows(c) for c in colls if not c.empty]
+    space.finalize()
+    return sets
+
+
+# ---- the simulation -------------------------------------------------------------------------------------------
+def resolve_plan(topology: Topology, workload: Workload, plan: Plan | None, ep_size: int | None) -> Plan:
+    if plan is not None:
+        return plan
+    from megatron_hybridep.plan.planner import choose_plan
+
+    return choose_plan(topology, workload, ep_size).best
+
+
+def check_plan(topology: Topology, workload: Workload, plan: Plan) -> EPLayout:
+    lay = topology.ep_layout(plan.ep_size)
+    if plan.level_counts != lay.counts:
+        levels = dict(zip(lay.names, lay.counts, strict=True))
+        raise PlanError(f"plan.level_counts: {plan.level_counts} but an EP group of {plan.ep_size} ranks in "
+                        f"{topology.describe()} has levels {levels}; fix: make the plan for this topology "
+                        "(hybridep plan) or pass --plan ep|replicated|S,S")
+    if plan.num_experts != workload.num_experts:
+        raise PlanError(f"plan.num_experts: {plan.num_experts} but the model has {workload.num_experts}; "
+                        "fix: make the plan for this model")
+    return lay
+
+
+def simulate(topology: Topology, workload: Workload, plan: Plan | None = None, *, ep_size: int | None = None,
+             options: SimOptions | None = None, symmetry: bool = True) -> SimResult:
+    """One training iteration, flow by flow (see the module doc). ``symmetry=False`` simulates every
+    flow of every rank (no reduction by translation symmetry): for tests and small worlds."""
+    options = options or SimOptions()
+    plan = resolve_plan(topology, workload, plan, ep_size)
+    lay = check_plan(topology, workload, plan)
+    colls, layers, gather, grad_return, shared = ep_collectives(topology, workload, plan, lay)
+    present = {c.name for c in colls if not c.empty}
+    program = build_program(layers, workload.micro_batches, gather=gather, grad_return=grad_return,
+                            shared_sync=shared, options=options, present=present)
+    stats = EngineStats()
+    classes: list[GroupClass] = []
+    worst: tuple[Trace, list[FlowSet], Space] | None = None
+    for n_groups, over in group_classes(topology, lay):
+        space = _ep_space(topology, lay, over, colls, symmetry)
+        sets = _build(space, colls)
+        trace = Engine(sets, space.link_cap).run(program)
+        _add_stats(stats, trace.stats)
+        classes.append(GroupClass(n_groups, tuple(sorted(k for k in over if k[0] < k[1])), trace.total))
+        if worst is None or trace.total > worst[0].total:
+            worst = (trace, sets, space)
+    assert worst is not None
+    trace, sets, space = worst
+    spans = list(trace.spans)
+    exposed = dict(trace.exposed)
+    total = trace.total
+    reports_sets = {fs.name: (fs, space) for fs in sets}
+
+    wphases = [] if not options.backward else world_collectives(topology, workload, plan, lay,
+                                                                 options.dense_grad_bytes)
+    wcolls = [c for _, c in wphases]
+    if wcolls:
+        counts = topology.level_counts
+        wspace = Space(topology.levels, counts, Space.periods_for(wcolls, counts) if symmetry else counts)
+        wsets = _build(wspace, wcolls)
+        prog = [Instr(BLOCK, ph, op=c.name, stage="step") for ph, c in wphases if not c.empty]
+        wtrace = Engine(wsets, wspace.link_cap).run(prog)
+        _add_stats(stats, wtrace.stats)
+        for s in wtrace.spans:
+            spans.append(Span(s.kind, s.phase, s.name, s.start + total, s.end + total, s.layer, s.micro_batch,
+                              s.stage))
+        for k, v in wtrace.exposed.items():
+            exposed[k] = exposed.get(k, 0.0) + v
+        total += wtrace.total
+        reports_sets.update({fs.name: (fs, wspace) for fs in wsets})
+
+    spans.sort(key=lambda s: (s.start, s.kind == "async"))
+    phases = {p: exposed.get(p, 0.0) for p in PHASES}
+    for k, v in exposed.items():
+        if k not in phases:
+            phases[k] = v
+    forward = sum(s.seconds for s in spans if s.kind != "async" and s.stage == "fwd")
+    ops, traffic = _reports(spans, reports_sets)
+    notes = []
+    if workload.routing_counts is not None:
+        notes.append("skewed routing: explicit flows per EP-rank pair")
+    if len(classes) > 1:
+        notes.append(f"{len(classes)} classes of EP groups (per-pair overrides): the slowest sets the pace")
+    if plan.kind == "domains" and plan.domain_size > 1 and workload.micro_batches > 1 and options.gather != "iteration":
+        notes.append(f"the runtime gathers experts and returns their gradients in every micro-batch "
+                     f"({workload.micro_batches}x per iteration); --gather iteration models doing it once")
+    return SimResult(plan, total, phases, forward, spans, ops, classes, stats, traffic, notes)
+
+
+def _add_stats(into: EngineStats, s: EngineStats) -> None:
+    for k in ("instructions", "segments", "memo_hits", "events", "fills"):
+        setattr(into, k, getattr(into, k) + getattr(s, k))
+
+
+def _reports(spans: Sequence[Span], sets: dict[str, tuple[FlowSet, Space]]) -> tuple[dict[str, OpReport],
+                                                                                     dict[str, float]]:
+    busy: dict[str, float] = defaultdict(float)
+    exposed: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for s in spans:
+        if s.kind == "async":
+            busy[s.name] += s.seconds
+            count[s.name] += 1
+        elif s.kind == "block":
+            busy[s.name] += s.seconds
+            exposed[s.name] += s.seconds
+            count[s.name] += 1
+        elif s.kind == "wait":
+            exposed[s.name.split("@")[0]] += s.seconds
+    ops, traffic = {}, defaultdict(float)
+    for name, (fs, space) in sets.items():
+        names = [lv.name for lv in space.levels]
+        lb = {n: float(b) for n, b in zip(names, fs.level_bytes, strict=True)}
+        ub = {n: float(b) for n, b in zip(names, fs.uplink_bytes if fs.uplink_bytes is not None else
+                                          np.zeros(len(names)), strict=True)}
+        kind = "a2a" if name.startswith(("dispatch", "combine")) else name
+        ops[name] = OpReport(name, kind, count[name], busy[name], exposed[name], lb, ub)
+        for n, b in lb.items():
+            traffic[n] += b * count[name]
+    return ops, dict(traffic)

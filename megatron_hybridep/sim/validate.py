@@ -1,0 +1,302 @@
+"""Check the simulator against measurements: the testbed benchmark's CSV, and the paper's closed form.
+
+Two CSV layouts are read.
+
+1. `hybridep bench` output (megatron_hybridep/testbed/bench.py): ``bench.csv`` with one row per
+   system and point (system, plan, tokens, micro_batch, seq, median_s, unshaped_s, ...) and
+   ``summary.json`` beside it (command with --dcs/--ranks-per-dc, rate_mbit, goodput_mbit, model,
+   probe.unshaped_wan_mbit / probe.intra_mbit). The bench measures every system twice: WAN shaped
+   and unshaped. We predict as the bench does, with the simulator as the network model:
+
+       simulated = measured unshaped step + sim(shaped testbed) - sim(unshaped testbed)
+
+   so compute, framework overhead and the CPU cost of gloo (measured unshaped) are not guessed. Like
+   the bench, the gradient return is charged twice its bytes (gloo's reduce_scatter is an
+   all-reduce + slice) and the dense gradients (``dense_params`` in summary.json when present) are
+   all-reduced over all ranks.
+
+2. A self-contained CSV (the column contract below), one row per point, for any other harness.
+   Column names are matched case-insensitively; aliases in brackets.
+
+  required  system          ep | hybridep | replicated
+            dcs             emulated DCs                       [num_dcs]
+            ranks_per_dc    ranks in each DC                   [local_world_size]
+            wan_gbps        shaped rate of every DC uplink     [rate_gbps; rate_mbit / 1000]
+            hidden_size, ffn_hidden_size, num_experts, num_layers (all MoE), seq_length,
+            micro_batch_size                                   [micro_batch]
+            step_s          measured step time, median          [median_s]
+  optional  top_k [topk] (2); wan_delay_ms [delay_ms] (0): one-way delay added on DC egress;
+            domain_sizes "2x1" per plan level (hybridep; else parsed from the plan label [plan]);
+            intra_gbps (20) and intra_latency_us (10): ranks of one DC (loopback, unshaped);
+            bytes_per_element (4, fp32 on CPU); micro_batches (1);
+            t_pre_s, expert_fwd_s, expert_rows: measured per step (bench_worker's PhaseTimer, summed
+            over layers, mean over ranks): the simulator then uses the measured compute instead of
+            an estimate from throughput_tflops (default 0.05 TFLOP/s, a CPU core);
+            dense_params: dense parameters all-reduced (fp32) over all ranks after the backward;
+            unshaped_s: the same point measured without WAN shaping (then the difference method
+            of layout 1 is used, with unshaped_wan_gbps (default 10) as the unshaped WAN rate).
+
+The topology of a row: DC level with the WAN rate as the DC uplink (the testbed shapes each DC's veth
+in both directions; the bridge between DCs is not a limit) and the delay as latency; inside a DC
+one level of ``ranks_per_dc`` at intra_gbps. Pass: |simulated / measured - 1| <= tolerance (15%).
+
+The closed form: :func:`stream_model_exact` is the paper's T(p) = max(T_pre, AG) + 2 A2A with the
+bytes an all-gather and an all-to-all really move; the paper's own formula (plan/paper_model.py)
+charges (1-p)(G-1)P for the gather (exact at S = G) and p(G-1)D/G for the all-to-all ((G-1)/G of
+the true pD). tests/sim/test_closed_form.py checks the simulator against both.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_hybridep.plan.errors import PlanError
+from megatron_hybridep.plan.plan import Plan
+from megatron_hybridep.plan.topology import Level, Topology
+from megatron_hybridep.plan.workload import Workload
+from megatron_hybridep.sim.schedule import SimOptions
+from megatron_hybridep.sim.simulate import simulate
+
+TOLERANCE = 0.15
+ALIASES = {"num_dcs": "dcs", "local_world_size": "ranks_per_dc", "rate_gbps": "wan_gbps", "topk": "top_k",
+           "median_s": "step_s", "delay_ms": "wan_delay_ms", "micro_batch": "micro_batch_size"}
+REQUIRED = ("system", "dcs", "ranks_per_dc", "wan_gbps", "hidden_size", "ffn_hidden_size", "num_experts",
+            "num_layers", "seq_length", "micro_batch_size", "step_s")
+
+
+# ---- the closed form ---------------------------------------------------------------------------------------
+def stream_model_exact(G: int, S: int, D: float, P: float, B: float, t_pre: float) -> float:
+    """Forward time of one MoE layer (no expert compute): max(T_pre, (S-1)P/B) + 2 (1 - S/G) D / B."""
+    return max(t_pre, (S - 1) * P / B) + 2 * (1 - S / G) * D / B
+
+
+# ---- testbed CSV ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BenchPoint:
+    row: int
+    system: str
+    topology: Topology
+    workload: Workload
+    plan: Plan
+    measured: float
+    dense_grad_bytes: float
+    label: str
+    unshaped: float | None = None            # measured step time without WAN shaping
+    unshaped_topology: Topology | None = None
+
+
+GLOO_REDUCE_SCATTER_FACTOR = 2.0  # gloo runs reduce_scatter as all-reduce + slice (measured by the bench)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    point: BenchPoint
+    simulated: float
+
+    @property
+    def error(self) -> float:
+        return self.simulated / self.point.measured - 1
+
+    def ok(self, tolerance: float = TOLERANCE) -> bool:
+        return abs(self.error) <= tolerance
+
+
+def _norm(row: dict[str, str]) -> dict[str, str]:
+    out = {}
+    for k, v in row.items():
+        if k is None:
+            continue
+        key = k.strip().lower()
+        key = ALIASES.get(key, key)
+        if key == "rate_mbit" and v not in ("", None):
+            out.setdefault("wan_gbps", str(float(v) / 1000))
+            continue
+        out.setdefault(key, (v or "").strip())
+    return out
+
+
+def _num(row: dict[str, str], key: str, where: str, default: float | None = None) -> float:
+    raw = row.get(key, "")
+    if raw == "":
+        if default is None:
+            raise PlanError(f"{where}.{key}: missing; fix: add a '{key}' column (see sim/validate.py for the "
+                            "column contract)")
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        raise PlanError(f"{where}.{key}: expected a number, got {raw!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise PlanError(f"{where}.{key}: expected a finite number >= 0, got {raw!r}")
+    return v
+
+
+def bench_topology(dcs: int, ranks_per_dc: int, wan_gbps: float, delay_ms: float = 0.0, intra_gbps: float = 20.0,
+                   intra_latency_us: float = 10.0) -> Topology:
+    # the bridge between DC namespaces is no limit: give the DC-to-DC link the uplink's rate
+    dc = Level("dc", dcs, wan_gbps, delay_ms * 1e3, wan_gbps)
+    gpu = Level("gpu", ranks_per_dc, intra_gbps, intra_latency_us)
+    return Topology((dc, gpu), f"testbed {dcs}x{ranks_per_dc}", "emulated DCs (netns + tc)")
+
+
+def plan_for(system: str, topo: Topology, num_experts: int, domain_sizes: str, label: str, where: str) -> Plan:
+    lay = topo.ep_layout(topo.world_size)
+    if system == "ep":
+        return Plan("domains", lay.names, lay.counts, (1,) * len(lay.counts), num_experts)
+    if system == "replicated":
+        return Plan.replicated(lay.counts, num_experts, lay.names)
+    if system != "hybridep":
+        raise PlanError(f"{where}.system: unknown {system!r}; fix: ep, hybridep or replicated")
+    sizes: list[int] | None = None
+    if domain_sizes:
+        sizes = [int(x) for x in domain_sizes.replace(",", "x").split("x") if x]
+    elif label.startswith("domains "):
+        got = {}
+        for part in label.split()[1:]:
+            for n in lay.names:
+                if part.startswith(n) and part[len(n):].isdigit():
+                    got[n] = int(part[len(n):])
+        sizes = [got.get(n, 1) for n in lay.names]
+    elif label.startswith("ep"):
+        sizes = [1] * len(lay.counts)
+    if sizes is None or len(sizes) != len(lay.counts):
+        raise PlanError(f"{where}.domain_sizes: need one S per level {list(lay.names)} (e.g. '2x1') for a hybridep "
+                        f"row, got {domain_sizes or label!r}; fix: add a domain_sizes column")
+    return Plan("domains", lay.names, lay.counts, tuple(sizes), num_experts)
+
+
+def read_bench_csv(path: str) -> list[BenchPoint]:
+    """Points of a `hybridep bench` CSV (with its summary.json) or of a self-contained CSV."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = [_norm(r) for r in csv.DictReader(f)]
+    except FileNotFoundError:
+        raise PlanError(f"{path}: benchmark CSV not found; fix: run 'hybridep bench' (it writes bench.csv) "
+                        "or pass a CSV with the columns of sim/validate.py") from None
+    if not rows:
+        raise PlanError(f"{path}: no rows; fix: pass the CSV that 'hybridep bench' wrote")
+    summary = os.path.join(os.path.dirname(os.path.abspath(path)), "summary.json")
+    if "dcs" not in rows[0] and os.path.exists(summary):
+        return _bench_points(rows, path, summary)
+    missing = [k for k in REQUIRED if k not in rows[0]]
+    if missing:
+        raise PlanError(f"{path}: missing column(s) {', '.join(missing)}; fix: see the column contract in "
+                        "megatron_hybridep/sim/validate.py (or keep summary.json beside a bench.csv)")
+    return [_point(r, f"{path}:{i + 2}", i) for i, r in enumerate(rows)]
+
+
+def dense_params_estimate(model: dict[str, Any]) -> float:
+    """Dense (data-parallel) parameters of the bench's GPT-MoE when summary.json does not give them:
+    tied embedding, per layer QKV + projection, two layer norms and the router, final norm."""
+    h, layers, E = int(model["hidden_size"]), int(model["num_layers"]), int(model["num_experts"])
+    vocab = int(model.get("vocab_size", 256))
+    return float(vocab * h + layers * (4 * h * h + 3 * h + 2 * 2 * h + h * E) + 2 * h)
+
+
+def _bench_points(rows: list[dict[str, str]], path: str, summary_path: str) -> list[BenchPoint]:
+    with open(summary_path, encoding="utf-8") as f:
+        summary = json.load(f)
+    where = summary_path
+    try:
+        argv = shlex.split(summary["command"])
+        model = summary["model"]
+        rate = float(summary.get("goodput_mbit") or summary["rate_mbit"])
+        probe = summary.get("probe", {})
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PlanError(f"{where}: not a `hybridep bench` summary ({exc}); fix: keep the summary.json the bench "
+                        "wrote beside its bench.csv") from None
+
+    def flag(name: str, default: int) -> int:
+        return int(argv[argv.index(name) + 1]) if name in argv else default
+
+    dcs, rpd = flag("--dcs", 2), flag("--ranks-per-dc", 2)
+    intra = float(probe.get("intra_mbit", 2e4)) / 1e3
+    shaped = bench_topology(dcs, rpd, rate / 1e3, 0.0, intra, 0.0)
+    unshaped = bench_topology(dcs, rpd, float(probe.get("unshaped_wan_mbit", 1e4)) / 1e3, 0.0, intra, 0.0)
+    layers = int(model["num_layers"])
+    dense = float(summary.get("dense_params") or dense_params_estimate(model)) * 4  # fp32 grad buffers
+    out = []
+    for i, r in enumerate(rows):
+        w = f"{path}:{i + 2}"
+        mbs, seq = int(_num(r, "micro_batch_size", w)), int(_num(r, "seq", w))
+        work = Workload(hidden_size=int(model["hidden_size"]), ffn_hidden_size=int(model["ffn_hidden_size"]),
+                        num_experts=int(model["num_experts"]), top_k=int(model.get("topk", 2)),
+                        num_moe_layers=layers, num_layers=layers, seq_length=seq, micro_batch_size=mbs,
+                        activation_bytes=4, weight_bytes=4, grad_bytes=4, throughput_tflops=0.05,
+                        compressed_grad_bytes=GLOO_REDUCE_SCATTER_FACTOR * 2 * int(model["hidden_size"])
+                        * int(model["ffn_hidden_size"]) * 4, name=str(model.get("name", "bench")))
+        system = r["system"].lower()
+        plan = plan_for(system, shaped, work.num_experts, r.get("domain_sizes", ""), r.get("plan", ""), w)
+        label = f"{system} {plan.label if system == 'hybridep' else ''} tokens={mbs * seq}"
+        out.append(BenchPoint(i, system, shaped, work, plan, _num(r, "step_s", w), dense, " ".join(label.split()),
+                              _num(r, "unshaped_s", w), unshaped))
+    return out
+
+
+def _point(r: dict[str, str], where: str, i: int) -> BenchPoint:
+    system = r["system"].lower()
+    dcs, rpd = int(_num(r, "dcs", where)), int(_num(r, "ranks_per_dc", where))
+    topo = bench_topology(dcs, rpd, _num(r, "wan_gbps", where), _num(r, "wan_delay_ms", where, 0.0),
+                          _num(r, "intra_gbps", where, 20.0), _num(r, "intra_latency_us", where, 10.0))
+    layers = int(_num(r, "num_layers", where))
+    mbs, seq = int(_num(r, "micro_batch_size", where)), int(_num(r, "seq_length", where))
+    nbytes = int(_num(r, "bytes_per_element", where, 4))
+    kw: dict[str, Any] = dict(
+        hidden_size=int(_num(r, "hidden_size", where)), ffn_hidden_size=int(_num(r, "ffn_hidden_size", where)),
+        num_experts=int(_num(r, "num_experts", where)), top_k=int(_num(r, "top_k", where, 2)),
+        num_moe_layers=layers, num_layers=layers, seq_length=seq, micro_batch_size=mbs,
+        micro_batches=int(_num(r, "micro_batches", where, 1)), activation_bytes=nbytes, weight_bytes=nbytes,
+        grad_bytes=nbytes, throughput_tflops=_num(r, "throughput_tflops", where, 0.05))
+    work = Workload(**kw)
+    t_pre = _num(r, "t_pre_s", where, -1.0)
+    if t_pre > 0:
+        work = work.replace(t_pre_ms=t_pre / layers * 1e3)
+    fwd, rows_ = _num(r, "expert_fwd_s", where, -1.0), _num(r, "expert_rows", where, -1.0)
+    if fwd > 0 and rows_ > 0:
+        # seconds per token copy -> an equivalent throughput for Workload.expert_seconds_per_token
+        work = work.replace(throughput_tflops=work.expert_flops_per_token / (fwd / rows_) / 1e12)
+    plan = plan_for(system, topo, work.num_experts, r.get("domain_sizes", ""), r.get("plan", ""), where)
+    dense = _num(r, "dense_params", where, 0.0) * 4  # grad_reduce_in_fp32
+    label = f"{system} {plan.label if system == 'hybridep' else ''} {dcs}x{rpd} @{r['wan_gbps']}G tokens={mbs * seq}"
+    unshaped = _num(r, "unshaped_s", where, -1.0)
+    base = None
+    if unshaped > 0:
+        base = bench_topology(dcs, rpd, _num(r, "unshaped_wan_gbps", where, 10.0), 0.0,
+                              _num(r, "intra_gbps", where, 20.0), _num(r, "intra_latency_us", where, 10.0))
+    return BenchPoint(i, system, topo, work, plan, _num(r, "step_s", where), dense, " ".join(label.split()),
+                      unshaped if unshaped > 0 else None, base)
+
+
+def compare(points: Sequence[BenchPoint], options: SimOptions | None = None) -> list[Comparison]:
+    """Simulate every point: absolutely, or measured unshaped + sim(shaped) - sim(unshaped) when the
+    point has an unshaped measurement."""
+    out = []
+    for p in points:
+        opts = options or SimOptions()
+        if p.dense_grad_bytes:
+            opts = dataclasses.replace(opts, dense_grad_bytes=p.dense_grad_bytes)
+        sim = simulate(p.topology, p.workload, p.plan, options=opts).total
+        if p.unshaped is not None and p.unshaped_topology is not None:
+            sim = p.unshaped + sim - simulate(p.unshaped_topology, p.workload, p.plan, options=opts).total
+        out.append(Comparison(p, sim))
+    return out
+
+
+def format_comparison(comps: Sequence[Comparison], tolerance: float = TOLERANCE) -> str:
+    heads = ["row", "point", "measured", "simulated", "error", ""]
+    rows = [heads] + [[str(c.point.row + 2), c.point.label, f"{c.point.measured:.4g} s", f"{c.simulated:.4g} s",
+                       f"{c.error:+.1%}", "ok" if c.ok(tolerance) else "OFF"] for c in comps]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(heads))]
+    lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    bad = sum(not c.ok(tolerance) for c in comps)
+    lines.append(f"{len(comps) - bad}/{len(comps)} points within {tolerance:.0%} of measured")
+    return "\n".join(lines)

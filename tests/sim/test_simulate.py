@@ -1,0 +1,158 @@
+"""One iteration under the runtime's schedule: what is exposed, what hides, what shares links, and
+how EP groups with different links, skewed routing and the replicated plan show."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+
+from megatron_hybridep.plan.cost import CostModel
+from megatron_hybridep.plan.errors import PlanError
+from megatron_hybridep.plan.plan import Plan
+from megatron_hybridep.plan.topology import LinkOverride, Topology
+from megatron_hybridep.plan.workload import zipf_routing
+from megatron_hybridep.sim.schedule import PHASES, SimOptions
+from megatron_hybridep.sim.simulate import simulate
+
+from ..plan.strategies import topology_and_plan
+from .helpers import domains, one_level, two_level, workload
+
+
+def test_phases_sum_to_total_and_forward_is_part_of_it():
+    topo = two_level(4, 4, wan=10, lan=100, wan_lat=500)
+    w = workload(32, micro_batches=2, compression_ratio=10)
+    for plan in (domains(topo, 16, (1, 1), 32), domains(topo, 16, (4, 1), 32), domains(topo, 16, (2, 2), 32),
+                 Plan.replicated((4, 4), 32, ("dc", "gpu"))):
+        r = simulate(topo, w, plan)
+        assert sum(r.phases.values()) == pytest.approx(r.total)
+        assert 0 < r.forward < r.total
+        assert set(PHASES) <= set(r.phases)
+
+
+def test_plain_ep_on_one_level_is_four_all_to_alls_per_layer_and_micro_batch():
+    G, gbps = 8, 10.0
+    w = workload(16, micro_batches=3, num_moe_layers=4)
+    B = gbps * 1e9 / 8
+    ep = domains(one_level(G, gbps), G, (1,), 16)
+    r = simulate(one_level(G, gbps), w, ep)
+    a2a = w.dispatch_bytes * (G - 1) / G / B
+    assert r.phases["token_a2a_fwd"] == pytest.approx(2 * 4 * 3 * a2a)
+    assert r.phases["token_a2a_bwd"] == pytest.approx(2 * 4 * 3 * a2a)
+    compute = 3 * 4 * 3 * (w.t_pre + w.tokens * w.top_k * w.expert_seconds_per_token)
+    assert r.total == pytest.approx(4 * 4 * 3 * a2a + compute)
+    # latency: one round per all-to-all
+    lat = simulate(one_level(G, gbps, latency_us=250.0), w, ep)
+    assert lat.total - r.total == pytest.approx(4 * 4 * 3 * 250e-6)
+
+
+def test_gather_hides_behind_compute_when_it_fits_and_is_exposed_when_not():
+    topo = two_level(4, 2, wan=10, lan=100)
+    plan = domains(topo, 8, (4, 1), 16)  # every DC in one domain: no token crosses the WAN
+    small = workload(16, compression_ratio=1000, grad_compression_ratio=1000, t_pre_ms=50.0)
+    r = simulate(topo, small, plan)
+    assert r.phases["expert_allgather"] == 0.0
+    assert r.ops["gather"].busy_seconds > 0  # it ran, hidden
+    big = workload(16, t_pre_ms=0.01)  # exact 0.5 MB experts, almost no compute to hide behind
+    r = simulate(topo, big, plan)
+    assert r.phases["expert_allgather"] > 0.5 * r.ops["gather"].busy_seconds
+
+
+def test_runtime_gathers_every_micro_batch():
+    topo = two_level(2, 2)
+    plan = domains(topo, 4, (2, 1), 8)
+    w = workload(8, micro_batches=3, num_moe_layers=4, compression_ratio=20)
+    per_mb = simulate(topo, w, plan)
+    once = simulate(topo, w, plan, options=SimOptions(gather="iteration"))
+    assert per_mb.ops["gather"].occurrences == 4 * 3 and once.ops["gather"].occurrences == 4
+    assert per_mb.ops["grad_return"].occurrences == 4 * 3 and once.ops["grad_return"].occurrences == 4
+    assert once.total < per_mb.total
+    assert per_mb.traffic["dc"] > once.traffic["dc"]
+    assert any("every micro-batch" in n for n in per_mb.notes)
+
+
+def test_next_layers_gather_slows_this_layers_combine():
+    """after_experts starts layer l+1's gather, which then shares the DC uplink with layer l's combine:
+    the last layer's combine (nothing in flight) is faster than the first's."""
+    topo = two_level(4, 2, wan=1, lan=100)
+    plan = domains(topo, 8, (2, 1), 16)
+    w = workload(16, num_moe_layers=3, compression_ratio=4)
+    r = simulate(topo, w, plan)
+    comb = {s.layer: s.seconds for s in r.timeline if s.kind == "block" and s.name == "combine" and s.stage == "fwd"}
+    assert comb[0] > comb[2] * 1.05
+    paper = simulate(topo, w, plan, options=SimOptions(schedule="paper"))
+    comb_p = {s.layer: s.seconds for s in paper.timeline if s.kind == "block" and s.name == "combine"
+              and s.stage == "fwd"}
+    assert comb_p[0] == pytest.approx(comb_p[2])  # the paper's schedule never overlaps a gather with an a2a
+
+
+def test_slow_pair_inside_one_ep_group_sets_the_pace():
+    over = (LinkOverride(0, 1, 1.0, 20000.0),)  # DC 0 <-> DC 1: 1 Gbit/s, 20 ms, inside EP group 0
+    topo = two_level(8, 2, wan=10, overrides=over)
+    plan = domains(topo, 4, (1, 1), 8)        # EP groups of 2 DCs: 4 groups
+    w = workload(8)
+    r = simulate(topo, w, plan)
+    assert sorted(g.groups for g in r.group_classes) == [1, 3]
+    slow = max(r.group_classes, key=lambda g: g.seconds)
+    assert slow.groups == 1 and slow.overrides == ((0, 1),)
+    fast = simulate(two_level(8, 2, wan=10), w, plan)
+    assert r.total > fast.total
+    assert r.total == pytest.approx(slow.seconds + r.phases["expert_grad_allreduce"])
+
+
+def test_skewed_routing_costs_time_and_hybridep_spreads_the_hot_expert():
+    topo = two_level(2, 4, wan=10, lan=100)
+    w = workload(16, num_moe_layers=2)
+    skew = w.replace(routing_counts=zipf_routing(8, 16, w.tokens, w.top_k, 1.5))
+    ep = domains(topo, 8, (1, 1), 16)
+    r_bal, r_skew = simulate(topo, w, ep), simulate(topo, skew, ep)
+    assert r_skew.phases["expert_compute"] > r_bal.phases["expert_compute"]
+    assert r_skew.total > r_bal.total
+    hy = simulate(topo, skew, domains(topo, 8, (2, 1), 16))  # a hot expert's tokens split over 2 copies
+    assert hy.phases["expert_compute"] < r_skew.phases["expert_compute"]
+    # explicit flows agree with the symmetry-free run
+    assert simulate(topo, skew, ep, symmetry=False).total == pytest.approx(r_skew.total, rel=1e-9)
+
+
+def test_replicated_plan_all_reduces_over_dcs():
+    topo = two_level(4, 2, wan=10, lan=100)
+    w = workload(8)
+    r = simulate(topo, w, Plan.replicated((4, 2), 8, ("dc", "gpu")))
+    k = 4
+    grad = (8 // 2) * w.expert_params * w.grad_bytes * w.num_moe_layers
+    B = 10e9 / 8 / 2   # two GPUs of a DC share its uplink, one ring each
+    assert r.phases["expert_grad_allreduce"] == pytest.approx(2 * (k - 1) / k * grad / B)
+    assert r.phases["expert_allgather"] == 0 and r.traffic["dc"] > 0
+
+
+@settings(max_examples=20, deadline=None)
+@given(topology_and_plan(max_ranks=32, replicated=False))
+def test_token_all_to_all_never_beats_the_busiest_link(case):
+    """Flows cannot beat capacity: the simulated all-to-all is at least the closed form's busiest-link
+    time (tier b), for plain EP where nothing else runs (no latency: tier b adds the worst latency
+    to the worst bandwidth time, an upper bound)."""
+    topo, plan = case
+    topo = Topology(tuple(dataclasses.replace(lv, latency_us=0.0, overrides=tuple(
+        dataclasses.replace(o, latency_us=0.0) for o in lv.overrides)) for lv in topo.levels))
+    ep = Plan("domains", plan.level_names, plan.level_counts, (1,) * len(plan.level_counts), plan.num_experts)
+    w = workload(plan.num_experts)
+    r = simulate(topo, w, ep)
+    tb = CostModel(topo, w).evaluate(ep)
+    assert r.phases["token_a2a_fwd"] >= tb.phases["token_a2a_fwd"] * (1 - 1e-9)
+
+
+def test_plan_for_another_topology_is_refused():
+    topo = two_level(2, 4)
+    with pytest.raises(PlanError, match="plan.level_counts"):
+        simulate(topo, workload(16), Plan.grid((4, 2), (1, 1), 16))
+    with pytest.raises(PlanError, match="num_experts"):
+        simulate(topo, workload(16), domains(topo, 8, (1, 1), 8))
+
+
+def test_auto_plan_is_the_planners():
+    topo = two_level(2, 4)
+    r = simulate(topo, workload(16, compression_ratio=50))
+    from megatron_hybridep.plan.planner import choose_plan
+
+    assert r.plan == choose_plan(topo, workload(16, compression_ratio=50)).best
