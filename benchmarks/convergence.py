@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         curves[system], step_ms[system] = losses, med * 1e3
         print(f"  {system:9s} done: final {statistics.fmean(losses[-a.window:]):.4f}", flush=True)
     os.makedirs(a.out, exist_ok=True)
-    tag = f"convergence_{a.init}_{a.ratio:g}x"
+    tag = f"convergence_order{a.order}_v{a.vocab}_{a.init}_{a.ratio:g}x"
     with open(os.path.join(a.out, f"{tag}.csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["step", *systems])  # mean training loss over the 4 ranks

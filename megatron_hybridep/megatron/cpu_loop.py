@@ -38,6 +38,7 @@ class RunSummary:
     plan: str = ""
     unigram_entropy: float | None = None
     wall_s: float = 0.0
+    params: dict[str, torch.Tensor] | None = None  # final parameters, when run(collect_params=True)
 
 
 def _validated(args: argparse.Namespace) -> argparse.Namespace:
@@ -92,7 +93,7 @@ def _plan_job(args: argparse.Namespace, world: int) -> PlanChoice | None:
     return choice
 
 
-def run(args: argparse.Namespace) -> RunSummary:
+def run(args: argparse.Namespace, collect_params: bool = False) -> RunSummary:
     """One rank of the job (torch.distributed already initialised with gloo)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -147,6 +148,8 @@ def run(args: argparse.Namespace) -> RunSummary:
     if args.save and not saved:
         checkpoint.save(args, iteration, model, optimizer, scheduler)
     summary = reporter.finish(time.perf_counter() - start)
+    if collect_params:
+        summary.params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     if runtime is not None:
         teardown()
     ps.destroy_model_parallel()

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_hybridep.runtime.launch import run_ranks
 
@@ -61,3 +62,90 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path):
                         timeout=300)[0]
     assert len(resumed) == 4
     assert resumed == pytest.approx(full[4:], abs=1e-6), (resumed, full)
+
+
+@pytest.mark.parametrize("preset", sorted(p for p in os.listdir(os.path.join(REPO, "configs", "presets"))
+                                          if p.endswith(".yaml") and not p.endswith("_base.yaml")))
+def test_every_preset_parses_with_megatron_and_plans(preset, monkeypatch):
+    """Each preset is valid Megatron + plugin flags and its paired topology plans."""
+    from megatron_hybridep.megatron.arguments import parse
+    from megatron_hybridep.megatron.planning import choose
+
+    monkeypatch.chdir(REPO)
+    args = parse(["--config", os.path.join("configs", "presets", preset)])
+    assert args.num_experts and args.moe_token_dispatcher_type == "hybridep"
+    world = args.hybridep_nproc if preset == "cpu_demo.yaml" else args.expert_model_parallel_size
+    if args.hybridep_topology:
+        from megatron_hybridep.plan.topology import Topology
+
+        world = Topology.from_yaml(args.hybridep_topology).world_size
+    choice = choose(args, world)
+    assert choice.plan.num_experts == args.num_experts
+    assert choice.result is not None and choice.result.candidates
+
+
+def _short_run(ctx, argv):
+    from megatron_hybridep.megatron import cpu_loop
+    from megatron_hybridep.megatron.arguments import parse
+
+    s = cpu_loop.run(parse(argv, default_config=PRESET))
+    return s.losses
+
+
+def _write_indexed_dataset(prefix, vocab, docs=64, seed=0):
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for _ in range(docs):
+        builder.add_document(torch.from_numpy(rng.integers(0, vocab - 1, 200).astype(np.int32)), [200])
+    builder.finalize(prefix + ".idx")
+
+
+@pytest.mark.parametrize("data", ["mock", "indexed"])
+def test_megatron_datasets_train_and_log_to_tensorboard(data, tmp_path):
+    argv = ["--train-iters", "3", "--lr-warmup-iters", "1", "--expert-model-parallel-size", "2",
+            "--global-batch-size", "8", "--hybridep-nproc", "2", "--log-interval", "1",
+            "--tensorboard-dir", str(tmp_path / "tb"),
+            "--data-cache-path", str(tmp_path / "cache")]
+    if data == "mock":
+        argv += ["--mock-data"]
+    else:
+        _write_indexed_dataset(str(tmp_path / "corpus"), vocab=256)
+        argv += ["--data-path", str(tmp_path / "corpus"), "--split", "100,0,0"]
+    losses = run_ranks(_short_run, 2, argv, timeout=300)[0]
+    assert len(losses) == 3 and all(0 < x < 10 for x in losses)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/step_time_s", "train/inter_dc_bytes", "train/exposed_comm_s",
+            "train/predicted_step_time_s"} <= tags, tags
+    assert [round(e.value, 4) for e in acc.Scalars("train/loss")] == [round(x, 4) for x in losses]
+
+
+def _run_collect(ctx, argv):
+    from megatron_hybridep.megatron import cpu_loop
+    from megatron_hybridep.megatron.arguments import parse
+
+    s = cpu_loop.run(parse(argv, default_config=PRESET), collect_params=True)
+    return s.params
+
+
+@pytest.mark.parametrize("saved_with,loaded_with", [("hybridep", "alltoall"), ("alltoall", "hybridep")])
+def test_checkpoints_move_between_hybridep_and_alltoall(saved_with, loaded_with, tmp_path):
+    """Borrowed copies are never saved: a checkpoint written under one dispatcher loads under the
+    other with identical parameters (and the same keys)."""
+    common = ["--lr-warmup-iters", "1", "--log-interval", "100", "--save-interval", "2"]
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_ranks(_run_collect, 4, ["--train-iters", "2", "--moe-token-dispatcher-type", saved_with,
+                                        "--save", ckpt, *common], timeout=300)
+    loaded = run_ranks(_run_collect, 4, ["--train-iters", "2", "--moe-token-dispatcher-type", loaded_with,
+                                         "--load", ckpt, *common], timeout=300)
+    for rank, (a, b) in enumerate(zip(saved, loaded, strict=True)):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"rank {rank}: {name} differs after load"
