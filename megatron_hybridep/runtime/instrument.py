@@ -25,6 +25,10 @@ class Stats:
 
     records: dict[tuple[int, str, str, str], Record] = field(default_factory=lambda: defaultdict(Record))
     tokens_per_expert: dict[int, np.ndarray] = field(default_factory=dict)
+    borrowed_bytes: dict[int, int] = field(default_factory=dict)  # per layer: peers' expert copies held
+
+    def add_borrowed(self, layer: int, nbytes: int) -> None:
+        self.borrowed_bytes[layer] = max(self.borrowed_bytes.get(layer, 0), int(nbytes))
 
     def add(self, layer: int, phase: str, group: str, nbytes: int, seconds: float, wall: float = 0.0,
             level: str = "all") -> None:

@@ -213,6 +213,7 @@ class DomainGather:
         if self.stats is not None:
             self.stats.add(self.layer, "expert_gather", "domain", 0, time.perf_counter() - t0,
                            wall=time.perf_counter() - pending.started)
+            self.stats.add_borrowed(self.layer, (self.size - 1) * self.numel * result.element_size())
             self._count_bytes("expert_gather", self.bytes_per_rank)
         return result
 
