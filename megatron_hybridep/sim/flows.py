@@ -252,6 +252,9 @@ class Space:
         assert coll.src is not None and coll.dst is not None and coll.pair_bytes is not None
         if self.periods != self.counts:
             raise PlanError(f"{coll.name}: explicit flows need periods == counts ({self.counts}), got {self.periods}")
+        if len(coll.pair_bytes) > MAX_CLASSES:
+            raise PlanError(f"{coll.name}: {len(coll.pair_bytes):,} explicit flows exceed {MAX_CLASSES:,}; fix: "
+                            "simulate skewed routing on a smaller EP group, or use balanced routing")
         pv = np.cumprod((1,) + self.counts[::-1])[:-1][::-1]
         to = (lambda r: (np.asarray(r, np.int64)[:, None] // pv) % np.asarray(self.counts))
         return to(coll.src), to(coll.dst), np.asarray(coll.pair_bytes, np.float64)

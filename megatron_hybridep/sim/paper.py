@@ -34,7 +34,7 @@ from megatron_hybridep.sim.schedule import SimOptions
 from megatron_hybridep.sim.sweep import SweepSpec
 
 PAPER_CLAIMS = {"fixed-domain": (1.05, 1.45), "fixed-p": (1.31, 3.76)}
-DCS = (2, 4, 8, 16, 32, 64, 125, 250, 500, 1000)
+DCS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1000)  # all but 2 divisible by S = 4
 WAN_GBPS = (1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0)
 POLICIES = ("fixed-domain:4", "fixed-p:0.5", "planner")
 TOKENS = 49152                 # 192 MiB per all-to-all per GPU at hidden 1024, top-2, bf16

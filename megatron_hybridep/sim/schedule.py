@@ -11,11 +11,15 @@
   micro-batch's ``forward()`` starts a new one (layer 0's after its attention, the others from
   ``after_experts``), and the gradient of every micro-batch's gathered copies is returned;
 - backward, per layer in reverse: combine's transpose (blocking), expert backward (2x forward),
-  the gradient return to the owners (a blocking reduce-scatter in ``_Gathered.backward``), the
-  dispatch's transpose (blocking), attention backward (2x T_pre);
+  the gradient return to the owners (blocking, in ``_Gathered.backward``: a reduce-scatter, or an
+  all-to-all of top-k payloads when gradients are compressed), the dispatch's transpose
+  (blocking), attention backward (2x T_pre);
 - after the last micro-batch Megatron's finalize_model_grads all-reduces expert gradients over the
   expert data-parallel replicas (blocking: the runtime builds DDP with overlap_grad_reduce=False);
-  shared-expert refresh (shared+residual codec) runs between the optimizer step and the encode.
+- shared+residual compression refreshes the shared expert inside ``DomainGather.start()`` (a
+  blocking all-reduce over the EP group, every refresh_every steps: its bytes come amortised per
+  step), before the first gather of each layer in a step.
+Not modelled: the codec's encode/decode compute (fused with the optimizer step / the expert GEMM).
 
 ``gather="iteration"`` models a runtime that keeps gathered copies for all micro-batches and
 returns their gradients once (what the tier-b cost model assumes). ``paper`` is the paper's stream
@@ -88,10 +92,17 @@ def build_program(layers: Sequence[LayerWork], micro_batches: int, *, gather: st
     def returns(mb: int) -> bool:
         return grad_return is not None and (mb == micro_batches - 1 or not once)
 
-    if shared_sync is not None:
+    def refresh(layer: int, stage: str) -> None:
+        # DomainGather.start() refreshes the shared expert (a blocking all-reduce over the EP group,
+        # amortised per step) right before the first gather of each layer in a step
+        if shared_sync is not None:
+            add(Instr(BLOCK, "shared_sync", op=shared_sync, layer=layer, micro_batch=0, stage=stage))
+
+    if options.schedule == "paper":
         for layer in range(Lm):
-            add(Instr(BLOCK, "shared_sync", op=shared_sync, layer=layer, stage="step"))
+            refresh(layer, "step")
     if gather is not None and options.schedule == "runtime":
+        refresh(0, "step")
         add(Instr(START, "expert_allgather", op=gather, key=key(0, 0), layer=0, micro_batch=0, stage="step"))
     for mb in range(micro_batches):
         for layer, w in enumerate(layers):
@@ -108,6 +119,8 @@ def build_program(layers: Sequence[LayerWork], micro_batches: int, *, gather: st
                 add(at(WAIT, "expert_allgather", op=key(mb, layer)))            # borrowed()
             add(at(COMPUTE, "expert_compute", seconds=w.expert))
             if options.schedule == "runtime" and gathers(mb) and layer + 1 < Lm:
+                if mb == 0:
+                    refresh(layer + 1, "fwd")
                 add(_at(layer + 1, mb, "fwd")(START, "expert_allgather", op=gather,
                                               key=key(mb, layer + 1)))  # after_experts
             add(at(BLOCK, "token_a2a_fwd", op=w.combine))

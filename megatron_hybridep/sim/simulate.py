@@ -9,10 +9,14 @@ block of ranks; its token all-to-alls, expert gathers and gradient returns stay 
 (flows.py) and the iteration waits for the slowest. Then the collectives that cross EP groups (expert
 data-parallel all-reduce, the replicated plan's all-reduce over DCs) run on the world's links.
 
-Cost: building flow classes O(sum over collectives of R x group size) with R = representatives
-(flows.py); each distinct segment of the program costs O(events x fills x K); identical layers and
-micro-batches hit the memo (engine.py). 1000 DCs x 8 GPUs, 256 experts: ~0.1-0.5 s
-(benchmarks/sim_time.py).
+Complexity. Flow classes per collective: F = R (M - 1) for an all-to-all over groups of M ranks, R for a
+ring, with R = prod_l pi_l representatives (flows.py; balanced routing on uniform links: pi = the domain
+block at each level, so F <= G per all-to-all; per-pair overrides or skewed routing: R = all ranks of
+the EP group). Incidence K <= F (1 + 2L) for L levels. One max-min fill: O(K b), b = distinct
+bottlenecks (rounds). One distinct program segment: O(e K b), e = distinct drain times. The program
+has O(L_moe m) instructions (m micro-batches); repeated segments are memo hits costing a hash of the
+in-flight state. 1000 DCs x 8 GPUs, 256 experts (deepseek-v3-like, 58 layers x 8 micro-batches):
+~0.1-0.2 s balanced, ~0.9 s with Zipf-skewed routing (benchmarks/sim_time.py).
 """
 
 from __future__ import annotations
@@ -134,9 +138,12 @@ def ep_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLa
         own = E // G
         dom = _local(domain_family(lay, S_world), o)
         colls.append(Collective("gather", RING, dom, (S - 1) * own * w.expert_wire_bytes, S - 1))
-        colls.append(Collective("grad_return", RING, dom, (S - 1) * own * w.grad_wire_bytes, S - 1))
+        if w.grad_compression_ratio > 1:  # top-k payloads by all_to_all_single in the domain
+            colls.append(Collective("grad_return", A2A, dom, own * w.grad_wire_bytes, 1))
+        else:                               # reduce_scatter: a ring
+            colls.append(Collective("grad_return", RING, dom, (S - 1) * own * w.grad_wire_bytes, S - 1))
         gather, grad_return = "gather", "grad_return"
-    if plan.kind == "domains" and G > 1 and w.shared_sync_bytes:
+    if gather is not None and w.shared_sync_bytes:  # refreshed by DomainGather.start(): domains of S > 1
         group = _local(domain_family(lay, lay.extent), o)
         colls.append(Collective("shared_sync", RING, group, 2 * (G - 1) / G * w.shared_sync_bytes, 2 * (G - 1)))
         shared = "shared_sync"
@@ -319,6 +326,8 @@ def _reports(spans: Sequence[Span], sets: dict[str, tuple[FlowSet, Space]]) -> t
             exposed[s.name.split("@")[0]] += s.seconds
     ops, traffic = {}, defaultdict(float)
     for name, (fs, space) in sets.items():
+        if not count[name]:
+            continue
         names = [lv.name for lv in space.levels]
         lb = {n: float(b) for n, b in zip(names, fs.level_bytes, strict=True)}
         ub = {n: float(b) for n, b in zip(names, fs.uplink_bytes if fs.uplink_bytes is not None else

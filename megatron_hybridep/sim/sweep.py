@@ -16,7 +16,8 @@ Policies (domains at the coarsest level, the DC; finer levels keep S = 1 as in t
 Scaling the world: ``base`` gives the level structure and link speeds; the DC level gets N units and the
 swept WAN speed (link and uplink). With ``ep_span="all"`` one EP group spans every DC and the model gets
 ``experts_per_rank`` x world experts (the expert count grows with the group, as in the paper's scale
-simulation); ``ep_span="default"`` keeps the model and uses the largest EP group that fits.
+simulation; T_pre stays the model's, so the router's cost does not grow with it); ``ep_span="default"``
+keeps the model and uses the largest EP group that fits.
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ def point_workload(work: Workload, topo: Topology, ep_span: str, experts_per_ran
     if ep_span == "all":
         G = topo.world_size
         if work.num_experts != experts_per_rank * G:
+            # keep the compute before the experts of the model as given: only the expert count scales
+            t_pre_ms = work.t_pre_ms if work.t_pre_ms is not None else work.t_pre * 1e3
             work = work.replace(num_experts=experts_per_rank * G, top_k=min(work.top_k, experts_per_rank * G),
-                                routing_counts=None)
+                                routing_counts=None, t_pre_ms=t_pre_ms)
         return work, G
     if ep_span != "default":
         raise PlanError(f"ep_span: unknown {ep_span!r}; fix: use 'all' (one EP group over every DC) or 'default'")

@@ -156,3 +156,26 @@ def test_auto_plan_is_the_planners():
     from megatron_hybridep.plan.planner import choose_plan
 
     assert r.plan == choose_plan(topo, workload(16, compression_ratio=50)).best
+
+
+def test_compressed_gradient_return_is_one_all_to_all_round():
+    """Exact gradients go back by reduce-scatter (a ring: S-1 latency rounds), compressed ones by
+    all_to_all_single of top-k payloads (one round), as runtime/migration.py does."""
+    lat_us = 5000.0
+    topo = two_level(4, 1, wan=10, lan=100, wan_lat=lat_us)
+    plan = domains(topo, 4, (4,), 4)
+    for ratio, rounds in ((1.0, 3), (50.0, 1)):
+        w = workload(4, grad_compression_ratio=ratio, t_pre_ms=0.0)
+        fast = simulate(two_level(4, 1, wan=10, lan=100), w, plan).ops["grad_return"]
+        slow = simulate(topo, w, plan).ops["grad_return"]
+        assert (slow.busy_seconds - fast.busy_seconds) / slow.occurrences == pytest.approx(rounds * lat_us * 1e-6)
+        assert fast.level_bytes["dc"] == pytest.approx(3 * w.grad_wire_bytes)  # (S-1) x own experts
+
+
+def test_shared_expert_refresh_once_per_layer_per_step():
+    topo = two_level(2, 2)
+    w = workload(8, micro_batches=2, num_moe_layers=3, compression_ratio=20, shared_sync_bytes_per_layer=2e5)
+    r = simulate(topo, w, domains(topo, 4, (2, 1), 8))
+    assert r.ops["shared_sync"].occurrences == 3
+    assert r.phases["shared_sync"] > 0
+    assert "shared_sync" not in simulate(topo, w, domains(topo, 4, (1, 1), 8)).ops  # plain EP: no codec
