@@ -42,6 +42,11 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="compress experts as plain top-k, without the shared expert (the paper's ablation)")
     g.add_argument("--hybridep-throughput-tflops", type=float, default=None,
                    help="achieved TFLOP/s per rank for the cost model (default: 0.05 on CPU, 300 on GPU)")
+    g.add_argument("--hybridep-replan-interval", type=int, default=0,
+                   help="iterations between re-planning decisions from measured routing and bandwidth; the "
+                        "job prebuilds groups for every HybridEP candidate plan (0 = plan once at start-up)")
+    g.add_argument("--hybridep-replan-horizon", type=int, default=100,
+                   help="iterations over which a switch must pay back its cost")
     g.add_argument("--hybridep-log-plan", action="store_true", help="print every candidate plan at start-up")
     g.add_argument("--hybridep-nproc", type=int, default=4,
                    help="ranks to launch on this machine when not started by torchrun/srun (CPU, gloo)")

@@ -112,11 +112,23 @@ def run(args: argparse.Namespace, collect_params: bool = False) -> RunSummary:
                                  pipeline_model_parallel_size=args.pipeline_model_parallel_size,
                                  expert_model_parallel_size=args.expert_model_parallel_size)
     model_parallel_cuda_manual_seed(args.seed)
-    runtime = None
+    runtime = scheduler = None
     if choice is not None and choice.dispatcher == "hybridep":
-        runtime = setup([choice.plan], num_experts=args.num_experts, migration=migration_from_args(args))
-    model, optimizer, scheduler, _ = build_model(args)
-    iteration = checkpoint.load(args, model, optimizer, scheduler) if args.load else 0
+        plans = [choice.plan]
+        if args.hybridep_replan_interval and choice.result is not None:
+            # every HybridEP candidate of the EP group, so the scheduler can switch at run time
+            plans = [c.plan for c in choice.result.candidates if c.plan.kind == "domains"]
+        runtime = setup(plans, num_experts=args.num_experts, migration=migration_from_args(args),
+                        active=plans.index(choice.plan))
+        if args.hybridep_replan_interval:
+            from megatron_hybridep.megatron.planning import workload_for
+            from megatron_hybridep.runtime.scheduler import PlanScheduler, SchedulerConfig
+
+            scheduler = PlanScheduler(runtime, choice.topology, workload_for(args),
+                                      SchedulerConfig(interval=args.hybridep_replan_interval,
+                                                      horizon=args.hybridep_replan_horizon))
+    model, optimizer, lr_scheduler, _ = build_model(args)
+    iteration = checkpoint.load(args, model, optimizer, lr_scheduler) if args.load else 0
     batches = data.train_batches(args, start_iteration=iteration)
     reporter = Reporter(args, choice, runtime, rank)
     micro = args.global_batch_size // (args.micro_batch_size * ps.get_data_parallel_world_size())
@@ -135,18 +147,19 @@ def run(args: argparse.Namespace, collect_params: bool = False) -> RunSummary:
         ok, grad_norm, _ = optimizer.step()
         if not ok:
             raise RuntimeError(f"iteration {iteration}: optimizer step skipped (non-finite gradients)")
-        scheduler.step(increment=args.global_batch_size)
+        lr_scheduler.step(increment=args.global_batch_size)
         if runtime is not None:
             runtime.after_optimizer_step()
         iteration += 1
-        reporter.step(iteration, loss_sum, time.perf_counter() - t0, grad_norm, scheduler)
+        decision = scheduler.step(iteration) if scheduler is not None else None
+        reporter.step(iteration, loss_sum, time.perf_counter() - t0, grad_norm, lr_scheduler, decision)
         saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
         if saved:
-            checkpoint.save(args, iteration, model, optimizer, scheduler)
+            checkpoint.save(args, iteration, model, optimizer, lr_scheduler)
         if args.exit_interval and iteration % args.exit_interval == 0:  # Megatron's --exit-interval
             break
     if args.save and not saved:
-        checkpoint.save(args, iteration, model, optimizer, scheduler)
+        checkpoint.save(args, iteration, model, optimizer, lr_scheduler)
     summary = reporter.finish(time.perf_counter() - start)
     if collect_params:
         summary.params = {n: p.detach().clone() for n, p in model.module.named_parameters()}

@@ -63,7 +63,8 @@ class Reporter:
         stats.reset()
         return t.item(), exposed
 
-    def step(self, iteration: int, loss: float, seconds: float, grad_norm: Any, scheduler: Any) -> None:
+    def step(self, iteration: int, loss: float, seconds: float, grad_norm: Any, scheduler: Any,
+             decision: Any = None) -> None:
         from megatron.core import parallel_state as ps
 
         t = torch.tensor([loss])
@@ -88,11 +89,20 @@ class Reporter:
                 self.tb.add_scalar(f"train/{name}", value, iteration)
             if self.predicted:
                 self.tb.add_scalar("train/predicted_step_time_s", self.predicted, iteration)
+            if decision is not None:
+                self.tb.add_scalar("hybridep/active_plan", self.runtime.active, iteration)
+                self.tb.add_scalar("hybridep/predicted_gain_s", decision.replan.gain_seconds, iteration)
+        if decision is not None and decision.switched:
+            self.summary.plan = self.runtime.plan.label
+            self.predicted = self.runtime.plan.predicted.get("total", self.predicted)
+            print(f" iter {iteration:5d} | plan switch -> {self.runtime.plan.label}: {decision.replan.reason} "
+                  f"(predicted {decision.replan.current_seconds * 1e3:.1f} -> {decision.replan.best_seconds * 1e3:.1f}"
+                  " ms/iter)", flush=True)
         if iteration % max(1, self.args.log_interval) == 0 or iteration == self.args.train_iters:
             print(f" iter {iteration:5d}/{self.args.train_iters} | loss {loss:7.4f} | step {seconds * 1e3:7.1f} ms | "
                   f"{tps:9.0f} tok/s | lr {lr:.2e} | grad-norm {float(grad_norm or 0):6.3f} | "
                   f"inter-DC {bytes_human(inter_dc)}/iter | exposed comm {exposed * 1e3:6.1f} ms | "
-                  f"plan {self.plan_label}", flush=True)
+                  f"plan {self.runtime.plan.label if self.runtime else self.plan_label}", flush=True)
 
     def finish(self, wall: float) -> Any:
         s = self.summary

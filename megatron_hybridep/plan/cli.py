@@ -65,6 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="skip plans whose expert memory per rank exceeds this")
     how.add_argument("--top", type=int, metavar="N", help="print only the N cheapest candidates per EP size")
     how.add_argument("--json", action="store_true", help="print the full result as JSON instead of tables")
+    how.add_argument("--explain", action="store_true",
+                     help="say why the chosen plan wins: phase by phase against plain EP and the runner-up")
     how.add_argument("--out", metavar="plan.json", help="write the chosen plan (Plan JSON) here")
 
 
@@ -137,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         print()
         print(table(r, args.top))
+    if args.explain:
+        print()
+        print(explain(best))
     if len(results) > 1:
         print()
         print(f"best over EP sizes: ep_size={best.layout.ep_size}, {best.best.label}, "
@@ -147,6 +152,34 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- formatting ---------------------------------------------------------------------------------------
+def explain(r: PlanningResult) -> str:
+    """Why the chosen plan wins: per-phase exposed time against plain EP and the runner-up, the
+    phases that decide it, and the traffic and memory that pay for it."""
+    chosen = r.chosen
+    others = [c for c in r.candidates if c.plan != chosen.plan]
+    lines = [f"why {chosen.plan.label} ({seconds_human(chosen.cost.total)} per iteration):"]
+    for rival, name in ((r.plain_ep, "plain EP"), (others[0] if others else None, "the runner-up")):
+        if rival is None or rival.plan == chosen.plan:
+            continue
+        diffs = {ph: rival.cost.phases.get(ph, 0.0) - chosen.cost.phases.get(ph, 0.0)
+                 for ph in set(rival.cost.phases) | set(chosen.cost.phases)}
+        order = sorted(diffs.items(), key=lambda kv: -abs(kv[1]))
+        parts = [f"{ph} {'saves' if d > 0 else 'costs'} {seconds_human(abs(d))}" for ph, d in order if abs(d) > 0]
+        lines.append(f"  vs {name} {rival.plan.label} ({seconds_human(rival.cost.total)}, "
+                     f"{rival.cost.total / max(chosen.cost.total, 1e-12):.2f}x slower): " + "; ".join(parts[:4]))
+    w = r.workload
+    lines.append(f"  inputs: {bytes_human(w.dispatch_bytes)} of tokens per all-to-all per rank vs "
+                 f"{bytes_human(w.expert_wire_bytes)} per shipped expert; T_pre {seconds_human(w.t_pre)} hides "
+                 "expert gathers; slowest link " + min((lv for lv in r.topology.levels),
+                                                        key=lambda lv: lv.bandwidth_gbps).name)
+    if chosen.cost.memory is not None:
+        lines.append(f"  memory: {bytes_human(chosen.cost.memory.borrowed_weights)} of borrowed expert copies "
+                     f"per rank ({bytes_human(chosen.cost.memory.total)} expert memory in all)")
+    lines += [f"  note: {n}" for n in chosen.cost.notes]
+    return "\n".join(lines)
+
+
+
 def header(r: PlanningResult) -> str:
     t, w = r.topology, r.workload
     comp = ""

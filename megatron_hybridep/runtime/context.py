@@ -78,7 +78,7 @@ class HybridEPRuntime:
             return
         for layer in self.layers:
             layer.drop_gather()
-        log.info("hybridep: plan %s -> %s", self.plan.label, self.plans[plan_index].label)
+        log.debug("hybridep: plan %s -> %s", self.plan.label, self.plans[plan_index].label)
         self.active = plan_index
 
 
