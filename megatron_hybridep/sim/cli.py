@@ -98,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     val.add_argument("--validate", metavar="BENCH.csv",
                      help="simulate every point of a `hybridep bench` CSV and compare with the measured step time")
     val.add_argument("--tolerance", type=float, default=0.15, help="--validate: allowed relative error (0.15)")
+    val.add_argument("--validate-method", choices=("calibrated", "difference"), default="calibrated",
+                     help="with unshaped measurements: fit compute to the unshaped step (default), or add "
+                          "sim(shaped) - sim(unshaped) to it")
 
 
 # ---- inputs ------------------------------------------------------------------------------------------------
@@ -357,7 +360,8 @@ def run_paper_repro(args: argparse.Namespace) -> int:
 def run_validate(args: argparse.Namespace) -> int:
     from megatron_hybridep.sim.validate import compare, format_comparison, read_bench_csv
 
-    comps = compare(read_bench_csv(args.validate), _options(args) if args.schedule != "runtime" else None)
+    comps = compare(read_bench_csv(args.validate), _options(args) if args.schedule != "runtime" else None,
+                    method=args.validate_method)
     print(format_comparison(comps, args.tolerance))
     return 0 if all(c.ok(args.tolerance) for c in comps) else 1
 

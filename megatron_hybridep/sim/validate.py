@@ -6,14 +6,13 @@ Two CSV layouts are read.
    system and point (system, plan, tokens, micro_batch, seq, median_s, unshaped_s, ...) and
    ``summary.json`` beside it (command with --dcs/--ranks-per-dc, rate_mbit, goodput_mbit, model,
    probe.unshaped_wan_mbit / probe.intra_mbit). The bench measures every system twice: WAN shaped
-   and unshaped. We predict as the bench does, with the simulator as the network model:
-
-       simulated = measured unshaped step + sim(shaped testbed) - sim(unshaped testbed)
-
-   so compute, framework overhead and the CPU cost of gloo (measured unshaped) are not guessed. Like
+   and unshaped. The CSV carries no compute times, so the unshaped step calibrates them
+   (``calibrate``): the compute estimate is scaled until the simulated unshaped step equals the
+   measured one, then the shaped testbed is simulated with it (method ``calibrated``, default).
+   Method ``difference`` is the bench's own: measured unshaped + sim(shaped) - sim(unshaped). Like
    the bench, the gradient return is charged twice its bytes (gloo's reduce_scatter is an
-   all-reduce + slice) and the dense gradients (``dense_params`` in summary.json when present) are
-   all-reduced over all ranks.
+   all-reduce + slice) and the dense gradients (``dense_params`` in summary.json, else estimated
+   from the model) are all-reduced over all ranks.
 
 2. A self-contained CSV (the column contract below), one row per point, for any other harness.
    Column names are matched case-insensitively; aliases in brackets.
@@ -275,17 +274,40 @@ def _point(r: dict[str, str], where: str, i: int) -> BenchPoint:
                       unshaped if unshaped > 0 else None, base)
 
 
-def compare(points: Sequence[BenchPoint], options: SimOptions | None = None) -> list[Comparison]:
-    """Simulate every point: absolutely, or measured unshaped + sim(shaped) - sim(unshaped) when the
-    point has an unshaped measurement."""
+METHODS = ("calibrated", "difference")
+
+
+def calibrate(p: BenchPoint, options: SimOptions) -> Workload:
+    """The point's workload with its compute scaled so that the simulated *unshaped* step equals the
+    measured one: everything the unshaped run spends outside the (near-free) network is compute (and
+    framework time) in the same proportions as the estimate - and, like compute, it hides gathers."""
+    assert p.unshaped is not None and p.unshaped_topology is not None
+    r = simulate(p.unshaped_topology, p.workload, p.plan, options=options)
+    compute = r.phases["pre_compute"] + r.phases["expert_compute"]
+    k = max(p.unshaped - (r.total - compute), 0.0) / compute if compute > 0 else 1.0
+    w = p.workload
+    return w.replace(t_pre_ms=w.t_pre * k * 1e3, throughput_tflops=w.throughput_tflops / k if k > 0 else 1e9)
+
+
+def compare(points: Sequence[BenchPoint], options: SimOptions | None = None,
+            method: str = "calibrated") -> list[Comparison]:
+    """Simulate every point. With an unshaped measurement: ``calibrated`` (default) fits the compute to
+    it and simulates the shaped testbed; ``difference`` adds sim(shaped) - sim(unshaped) to it (the
+    bench's own method). Without one: the workload as given (measured or estimated compute)."""
+    if method not in METHODS:
+        raise PlanError(f"method: unknown {method!r}; fix: use one of {', '.join(METHODS)}")
     out = []
     for p in points:
         opts = options or SimOptions()
         if p.dense_grad_bytes:
             opts = dataclasses.replace(opts, dense_grad_bytes=p.dense_grad_bytes)
-        sim = simulate(p.topology, p.workload, p.plan, options=opts).total
-        if p.unshaped is not None and p.unshaped_topology is not None:
-            sim = p.unshaped + sim - simulate(p.unshaped_topology, p.workload, p.plan, options=opts).total
+        if p.unshaped is None or p.unshaped_topology is None:
+            sim = simulate(p.topology, p.workload, p.plan, options=opts).total
+        elif method == "calibrated":
+            sim = simulate(p.topology, calibrate(p, opts), p.plan, options=opts).total
+        else:
+            sim = (p.unshaped + simulate(p.topology, p.workload, p.plan, options=opts).total
+                   - simulate(p.unshaped_topology, p.workload, p.plan, options=opts).total)
         out.append(Comparison(p, sim))
     return out
 

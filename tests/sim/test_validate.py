@@ -19,8 +19,10 @@ from megatron_hybridep.sim.simulate import simulate
 from megatron_hybridep.sim.validate import (
     GLOO_REDUCE_SCATTER_FACTOR,
     bench_topology,
+    calibrate,
     compare,
     dense_params_estimate,
+    format_comparison,
     plan_for,
     read_bench_csv,
 )
@@ -98,8 +100,15 @@ def test_bench_layout_uses_the_unshaped_measurement(tmp_path, capsys):
     assert pts[0].workload.compressed_grad_bytes == GLOO_REDUCE_SCATTER_FACTOR * 2 * 64 * 64 * 4
     assert pts[0].dense_grad_bytes == pytest.approx(dense_params_estimate(MODEL) * 4)
     # the network part grows with the token traffic and is positive for the shaped WAN
-    delta = [c.simulated - c.point.unshaped for c in compare(pts)]
-    assert all(d > 0 for d in delta) and delta[3] > delta[0]
+    for method in ("calibrated", "difference"):
+        delta = [c.simulated - c.point.unshaped for c in compare(pts, method=method)]
+        assert all(d > 0 for d in delta) and delta[3] > delta[0], method
+    # calibration: the fitted compute reproduces the unshaped step exactly
+    p = pts[2]
+    opts = SimOptions(dense_grad_bytes=p.dense_grad_bytes)
+    fitted = calibrate(p, opts)
+    assert simulate(p.unshaped_topology, fitted, p.plan, options=opts).total == pytest.approx(p.unshaped)
+    assert fitted.t_pre > p.workload.t_pre  # the CPU is slower than the 0.05 TFLOP/s guess here
     for r, c in zip(rows, compare(pts), strict=True):
         r["median_s"] = c.simulated * 1.08
     _write(path, rows)
@@ -119,6 +128,20 @@ def test_reader_errors_name_the_column(tmp_path):
         plan_for("hybridep", topo, 8, "", "", "row 2")
     with pytest.raises(PlanError, match="system"):
         plan_for("deepep", topo, 8, "", "", "row 2")
+
+
+MEASURED = os.path.join(os.path.dirname(__file__), "data", "bench_2dc_x_2_40mbit", "bench.csv")
+
+
+def test_recorded_testbed_run():
+    """A real `hybridep bench` run (2 DCs x 2 CPU ranks, 40 Mbit/s WAN, 6 points x 3 systems, 7 timed
+    iterations each; tests/sim/data): at least 90% of the points within 15% of the measured median,
+    none off by more than 25% (single points are noisy: min-max spreads of 10-20% at 7 iterations)."""
+    comps = compare(read_bench_csv(MEASURED))
+    assert len(comps) == 18 and {c.point.system for c in comps} == {"ep", "replicated", "hybridep"}
+    within = sum(c.ok() for c in comps)
+    assert within >= 0.9 * len(comps), format_comparison(comps)
+    assert all(abs(c.error) <= 0.25 for c in comps), format_comparison(comps)
 
 
 @pytest.mark.skipif(not os.environ.get("HYBRIDEP_BENCH_CSV"), reason="set HYBRIDEP_BENCH_CSV=path/to/bench.csv")
