@@ -70,8 +70,9 @@ def repro_spec(root: str, variant: str = "full", dcs: Sequence[int] = DCS,
 def repro_table(rows_by_variant: dict[str, list[dict[str, Any]]], dcs: int = 1000) -> list[dict[str, Any]]:
     """Min-max speed-up over EP across the swept bandwidths at ``dcs`` DCs, ours beside the paper's."""
     out = []
-    for policy, claim in PAPER_CLAIMS.items():
-        row: dict[str, Any] = {"experiment": policy, "paper": f"{claim[0]:.2f}x-{claim[1]:.2f}x"}
+    for policy, claim in [*PAPER_CLAIMS.items(), ("planner", None)]:
+        row: dict[str, Any] = {"experiment": policy if claim else "planner's choice (ours)",
+                               "paper": f"{claim[0]:.2f}x-{claim[1]:.2f}x" if claim else "-"}
         for variant, rows in rows_by_variant.items():
             sel = [r for r in rows if r["dcs"] == dcs and r["policy"].startswith(policy) and r["speedup_vs_ep"] != ""]
             if not sel:
@@ -79,7 +80,7 @@ def repro_table(rows_by_variant: dict[str, list[dict[str, Any]]], dcs: int = 100
                 continue
             sp = [float(r["speedup_vs_ep"]) for r in sel]
             lo, hi = min(sp), max(sp)
-            row[variant] = f"{lo:.2f}x-{hi:.2f}x"
+            row[variant] = f"{lo:.3f}x-{hi:.3f}x"
             row[f"{variant}_plan"] = sel[0]["plan"]
             row["bandwidths"] = ",".join(f"{float(r['wan_gbps']):g}" for r in sel)
         out.append(row)
