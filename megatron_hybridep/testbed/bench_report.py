@@ -1,0 +1,192 @@
+"""Output of `hybridep bench`: result rows, CSV, the printed table, the target check and the plot."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+SYSTEM_ORDER = ("ep", "replicated", "hybridep")
+SYSTEM_LABEL = {"ep": "alltoall EP", "replicated": "replicated", "hybridep": "HybridEP"}
+TARGET_TOP_SPEEDUP = 5.0
+TARGET_LOW_SLOWDOWN = 0.05
+TARGET_PRED_ERROR = 0.15
+
+
+@dataclass
+class Row:
+    """One system at one point (measured on the shaped testbed)."""
+
+    point: int
+    tokens: int
+    micro_batch: int
+    seq: int
+    token_traffic_mb: float  # EP's token bytes one rank dispatches per iteration (all all-to-alls)
+    system: str
+    plan: str
+    iters: int
+    median_s: float
+    min_s: float
+    max_s: float
+    q1_s: float
+    q3_s: float
+    speedup_vs_ep: float
+    unshaped_s: float  # same system/plan, unshaped testbed (the prediction's base)
+    predicted_s: float
+    pred_error_pct: float  # (predicted - measured) / measured
+    planner_s: float  # the cost model's own total (its overlap assumptions, compute from T_pre only)
+    pred_token_a2a_s: float
+    pred_expert_gather_s: float
+    pred_grad_return_s: float
+    pred_expert_grad_allreduce_s: float
+    pred_dense_grad_allreduce_s: float
+    meas_a2a_fwd_s: float  # dispatch + combine, forward only (instrumented); backward is not timed
+    pred_a2a_fwd_s: float  # unshaped measured + half of the predicted token all-to-all time
+    meas_gather_wait_s: float
+    pred_gather_wait_s: float
+    meas_grad_return_s: float
+    pred_grad_return_full_s: float  # unshaped measured + predicted
+    meas_grad_sync_s: float  # Megatron's finalize_model_grads: dense + expert-data-parallel all-reduces
+    pred_grad_sync_s: float
+    wan_tx_mb: float  # per DC uplink and iteration, leaving the DC (link counters, wire bytes)
+    wan_rx_mb: float
+    pred_wan_mb: float  # predicted wire bytes per DC uplink, direction and iteration
+    payload_dc_mb: float  # token/expert payload to other DCs per rank and iteration (instrumented)
+
+
+def quartiles(xs: Sequence[float]) -> tuple[float, float]:
+    if len(xs) < 2:
+        return xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def write_csv(rows: Sequence[Row], path: Path) -> None:
+    names = [f.name for f in fields(Row)]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=names)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in asdict(r).items()})
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.0f}" if s < 10 else f"{s:,.1f}s"
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    head = (f"{'pt':>2} {'tokens':>6} {'traffic':>8}  {'system':<11} {'plan':<17} {'median ms':>9} "
+            f"{'[min-max]':>13} {'vs EP':>6} {'pred ms':>8} {'err':>6}  {'WAN MB/it tx/rx':>15}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        spread = f"[{_ms(r.min_s)}-{_ms(r.max_s)}]"
+        lines.append(
+            f"{r.point:>2} {r.tokens:>6} {r.token_traffic_mb:>6.1f}MB  {SYSTEM_LABEL[r.system]:<11} {r.plan:<17} "
+            f"{_ms(r.median_s):>9} {spread:>13} {r.speedup_vs_ep:>5.2f}x {_ms(r.predicted_s):>8} "
+            f"{r.pred_error_pct:>+5.1f}%  {r.wan_tx_mb:>7.2f}/{r.wan_rx_mb:<7.2f}")
+    return "\n".join(lines)
+
+
+def format_phases(rows: Sequence[Row]) -> str:
+    """Predicted vs measured per phase (ms per iteration)."""
+    head = (f"{'pt':>2} {'system':<11} {'a2a fwd meas/pred':>18} {'gather wait m/p':>16} "
+            f"{'grad return m/p':>16} {'grad all-reduce m/p':>20} {'WAN MB m/p':>13}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r.point:>2} {SYSTEM_LABEL[r.system]:<11} "
+            f"{_ms(r.meas_a2a_fwd_s):>8} /{_ms(r.pred_a2a_fwd_s):>8} "
+            f"{_ms(r.meas_gather_wait_s):>7} /{_ms(r.pred_gather_wait_s):>7} "
+            f"{_ms(r.meas_grad_return_s):>7} /{_ms(r.pred_grad_return_full_s):>7} "
+            f"{_ms(r.meas_grad_sync_s):>9} /{_ms(r.pred_grad_sync_s):>9} "
+            f"{r.wan_tx_mb:>6.2f}/{r.pred_wan_mb:<6.2f}")
+    return "\n".join(lines)
+
+
+@dataclass
+class TargetCheck:
+    name: str
+    ok: bool
+    detail: str
+
+
+def check_targets(rows: Sequence[Row]) -> list[TargetCheck]:
+    """The issue's targets, as far as the systems that ran allow."""
+    by = {(r.point, r.system): r for r in rows}
+    points = sorted({r.point for r in rows})
+    out: list[TargetCheck] = []
+    if not points:
+        return out
+    lo, hi = points[0], points[-1]
+    if (hi, "hybridep") in by and (hi, "ep") in by:
+        s = by[(hi, "hybridep")].speedup_vs_ep
+        out.append(TargetCheck(f"top point: HybridEP >= {TARGET_TOP_SPEEDUP:g}x faster than EP",
+                               s >= TARGET_TOP_SPEEDUP, f"{s:.2f}x"))
+    if (hi, "hybridep") in by and (hi, "replicated") in by:
+        h, rep = by[(hi, "hybridep")].median_s, by[(hi, "replicated")].median_s
+        out.append(TargetCheck("top point: HybridEP faster than replicated", h < rep,
+                               f"{rep / h:.3f}x ({_ms(h)} vs {_ms(rep)} ms)"))
+    if (lo, "hybridep") in by and (lo, "ep") in by:
+        h, ep = by[(lo, "hybridep")].median_s, by[(lo, "ep")].median_s
+        out.append(TargetCheck(f"lowest point: HybridEP at most {TARGET_LOW_SLOWDOWN:.0%} slower than EP",
+                               h <= ep * (1 + TARGET_LOW_SLOWDOWN), f"{(h / ep - 1) * 100:+.1f}% vs EP"))
+    worst = max(rows, key=lambda r: abs(r.pred_error_pct))
+    out.append(TargetCheck(f"predicted step within {TARGET_PRED_ERROR:.0%} of measured at every point",
+                           abs(worst.pred_error_pct) <= TARGET_PRED_ERROR * 100,
+                           f"worst {worst.pred_error_pct:+.1f}% ({SYSTEM_LABEL[worst.system]}, point {worst.point})"))
+    return out
+
+
+def format_targets(checks: Sequence[TargetCheck]) -> str:
+    return "\n".join(f"  [{'met' if c.ok else 'MISSED'}] {c.name}: {c.detail}" for c in checks)
+
+
+def plot(rows: Sequence[Row], path: Path, title: str) -> None:
+    """Step time, speedup vs EP and WAN bytes against token traffic per rank (measured: markers with
+    min-max bars; predicted: dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; set before pyplot is imported
+    import matplotlib.pyplot as plt
+
+    systems = [s for s in SYSTEM_ORDER if any(r.system == s for r in rows)]
+    colors = {"ep": "tab:red", "replicated": "tab:blue", "hybridep": "tab:green"}
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    for s in systems:
+        rs = sorted((r for r in rows if r.system == s), key=lambda r: r.point)
+        x = [r.token_traffic_mb for r in rs]
+        med = [r.median_s for r in rs]
+        err = [[r.median_s - r.min_s for r in rs], [r.max_s - r.median_s for r in rs]]
+        c, label = colors[s], SYSTEM_LABEL[s]
+        axes[0].errorbar(x, med, yerr=err, fmt="o-", color=c, label=f"{label} measured", capsize=3)
+        axes[0].plot(x, [r.predicted_s for r in rs], "--", color=c, label=f"{label} predicted")
+        if s != "ep":
+            axes[1].plot(x, [r.speedup_vs_ep for r in rs], "o-", color=c, label=f"{label} measured")
+            ep = {r.point: r for r in rows if r.system == "ep"}
+            pred = [ep[r.point].predicted_s / r.predicted_s for r in rs if r.point in ep]
+            axes[1].plot([r.token_traffic_mb for r in rs if r.point in ep], pred, "--", color=c,
+                         label=f"{label} predicted")
+        axes[2].plot(x, [r.wan_tx_mb for r in rs], "o-", color=c, label=f"{label} link counters")
+        axes[2].plot(x, [r.pred_wan_mb for r in rs], "--", color=c, label=f"{label} predicted")
+    axes[0].set(xscale="log", yscale="log", xlabel="token traffic per rank per iteration (MB, EP)",
+                ylabel="step time (s)", title="step time")
+    axes[1].axhline(1.0, color="grey", lw=0.8)
+    axes[1].axhline(TARGET_TOP_SPEEDUP, color="grey", lw=0.8, ls=":")
+    axes[1].set(xscale="log", xlabel="token traffic per rank per iteration (MB, EP)", ylabel="speedup vs EP",
+                title="speedup over cross-DC alltoall EP")
+    axes[2].set(xscale="log", yscale="log", xlabel="token traffic per rank per iteration (MB, EP)",
+                ylabel="MB per DC uplink per iteration", title="inter-DC bytes (one direction)")
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

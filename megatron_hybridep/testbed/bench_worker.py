@@ -1,0 +1,297 @@
+"""One rank of `hybridep bench`, started by the testbed launcher inside its DC's namespace:
+
+    python -m megatron_hybridep.testbed.bench_worker --spec SPEC.json
+
+It trains the real Megatron GPT-MoE (megatron/gpt.py) and does what the parent says. Rank 0 asks
+over the control channel (bench_control) and broadcasts the answer:
+- {"op": "next"} -> one system at one point (and, for hybridep, its candidate plans), the WAN
+  unshaped: build it, calibrate (warm-up + K iterations of each plan);
+- {"op": "shape"} -> the WAN is now shaped; the plans to measure (the planner's choice): warm-up +
+  K timed iterations, then tear the model down and ask again, until "done".
+So each measurement has its unshaped baseline taken seconds before it, on the same model: the
+machine's load (shared cores) moves both alike. Rank 0 prints one JSON line per timed iteration and
+per point (prefix ``BENCH ``); the parent parses them.
+
+Per point, the cross-DC bytes come from the DC uplink's own counters (/proc/net/dev of this
+namespace's wan0, read by each DC's local rank 0 between barriers): the same kernel counters as
+Testbed.link_counters(), but read exactly at the edges of the timed window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_hybridep.testbed.bench_control import CONTROL_ENV, ControlClient
+
+PREFIX = "BENCH "
+WAN_DEV = "wan0"
+
+
+_UNSENT: list[dict[str, Any]] = []  # rank 0's events since its last control request
+
+
+def emit(event: str, **fields: Any) -> None:
+    """Print an event (the log and the progress lines) and keep it for the next control request:
+    the parent decides on the control channel's copy, which cannot lag behind like a pipe reader."""
+    record = {"event": event, **fields}
+    print(PREFIX + json.dumps(record), flush=True)
+    if event != "iter":
+        _UNSENT.append(record)
+
+
+def wan_counters(dev: str = WAN_DEV) -> tuple[int, int]:
+    """(tx_bytes, rx_bytes) of `dev` in this process's network namespace."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == dev:
+                fields = rest.split()
+                return int(fields[8]), int(fields[0])
+    raise RuntimeError(f"no interface {dev} in this namespace: run the worker through the testbed launcher")
+
+
+class PhaseTimer:
+    """Forward-hook timings the cost model is fed with: compute before the experts in each MoE
+    layer (T_pre: norms + attention, from the layer's start to its MoE block's start) and the expert
+    forward (time and token copies), plus Megatron's gradient finalisation (all-reduces)."""
+
+    def __init__(self, gpt: torch.nn.Module) -> None:
+        self.t: dict[str, float] = {}
+        self._mark: dict[str, float] = {}
+        self.reset()
+        for layer in gpt.decoder.layers:
+            layer.register_forward_pre_hook(lambda *_: self._start("layer"))
+            layer.mlp.register_forward_pre_hook(lambda *_: self._stop("layer", "t_pre"))
+            layer.mlp.experts.register_forward_pre_hook(self._experts_in, with_kwargs=True)
+            layer.mlp.experts.register_forward_hook(lambda *_: self._stop("experts", "expert_fwd"))
+
+    def reset(self) -> None:
+        self.t = {"t_pre": 0.0, "expert_fwd": 0.0, "expert_rows": 0.0, "grad_sync": 0.0}
+
+    def _start(self, key: str) -> None:
+        self._mark[key] = time.perf_counter()
+
+    def _stop(self, key: str, into: str) -> None:
+        if key in self._mark:
+            self.t[into] += time.perf_counter() - self._mark.pop(key)
+
+    def _experts_in(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else next(iter(kwargs.values()))
+        self.t["expert_rows"] += float(x.shape[0])
+        self._start("experts")
+
+    @contextmanager
+    def grad_sync(self) -> Iterator[None]:
+        """Time Megatron's finalize_model_grads (dense and expert-data-parallel all-reduces) by
+        wrapping the module attribute that gpt.train_step imports at call time."""
+        # importlib: the package re-exports a function under the submodule's name
+        fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+        orig = fmg.finalize_model_grads
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self.t["grad_sync"] += time.perf_counter() - t0
+
+        fmg.finalize_model_grads = timed
+        try:
+            yield
+        finally:
+            fmg.finalize_model_grads = orig
+
+
+class Worker:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.ranks_per_dc = int(os.environ["LOCAL_WORLD_SIZE"])
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.dc = self.rank // self.ranks_per_dc
+        self.control = ControlClient(os.environ[CONTROL_ENV]) if self.rank == 0 else None
+        from megatron_hybridep.data.synthetic import MarkovCorpus
+
+        self.corpus = MarkovCorpus(vocab_size=spec["model"]["vocab_size"])
+
+    # ---- control ------------------------------------------------------------------------------
+    def ask(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0 asks the parent; every rank gets the answer."""
+        if self.control is not None:
+            msg = {**msg, "events": list(_UNSENT)}
+            _UNSENT.clear()
+        box = [self.control.request(msg) if self.control is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def run(self) -> None:
+        while True:
+            order = self.ask({"op": "next"})
+            if order.get("done"):
+                break
+            self.run_system(order)
+        if self.control is not None:  # every event went with a "next" request, the last with the final one
+            self.control.bye()
+        dist.barrier()
+
+    # ---- one system -----------------------------------------------------------------------------
+    def _args(self, system: str) -> Any:
+        from megatron_hybridep.megatron.gpt import GPTMoEArgs
+
+        model = dict(self.spec["model"])
+        if system == "ep":
+            return GPTMoEArgs(**model, dispatcher="alltoall", expert_model_parallel_size=self.world)
+        if system == "replicated":  # EP inside each DC (contiguous rank blocks), experts replicated across DCs
+            return GPTMoEArgs(**model, dispatcher="alltoall", expert_model_parallel_size=self.ranks_per_dc)
+        if system == "hybridep":
+            return GPTMoEArgs(**model, dispatcher="hybridep", expert_model_parallel_size=self.world)
+        raise ValueError(f"unknown system {system!r}")
+
+    def run_system(self, order: dict[str, Any]) -> None:
+        """Build one system, calibrate each of its plans unshaped, then measure the chosen ones shaped."""
+        from megatron_hybridep.megatron import setup, teardown
+        from megatron_hybridep.megatron.dispatcher import instrument
+        from megatron_hybridep.megatron.gpt import build, initialize_parallel
+        from megatron_hybridep.plan.plan import Plan
+        from megatron_hybridep.runtime.instrument import Stats
+
+        system, point = order["system"], order["point"]
+        args = self._args(system)
+        t0 = time.perf_counter()
+        initialize_parallel(args)
+        runtime = None
+        if system == "hybridep":
+            plans = [Plan.from_dict(p) for p in order["plans"]]
+            runtime = setup(plans, num_experts=args.num_experts)
+        state = build(args)
+        gpt = state.model.module
+        timer = PhaseTimer(gpt)
+        stats = runtime.stats if runtime is not None else Stats()
+        if runtime is None:  # Megatron's own dispatcher, measured the same way as hybridep's rails
+            ep = args.expert_model_parallel_size
+            first = (self.rank // ep) * ep
+            levels = tuple("local" if r == self.rank else "dc" if r // self.ranks_per_dc != self.dc else "gpu"
+                           for r in range(first, first + ep))
+            for i, layer in enumerate(gpt.decoder.layers):
+                instrument(layer.mlp.token_dispatcher, stats, i + 1, levels)
+        if self.rank == 0:
+            dense = sum(p.numel() for p in gpt.parameters() if getattr(p, "allreduce", True))
+            experts = sum(p.numel() for p in gpt.parameters() if not getattr(p, "allreduce", True))
+            emit("model", system=system, point=point["index"], dense_params=dense, expert_params_per_rank=experts,
+                 ep_size=args.expert_model_parallel_size, build_s=time.perf_counter() - t0)
+        indices = list(range(len(order["plans"]))) if runtime is not None else [None]
+        with timer.grad_sync():
+            for phase in ("calibrate", "measure"):
+                if phase == "measure":
+                    indices = self.ask({"op": "shape"})["measure"]
+                for plan_index in indices:
+                    label = system
+                    if runtime is not None:
+                        runtime.switch(plan_index)
+                        label = runtime.plan.label
+                    self.run_point(phase, system, label, plan_index, point, state, timer, stats,
+                                   order["warmup"], order["iters"])
+        if runtime is not None:
+            teardown()
+        del state
+        dist.barrier()
+
+    # ---- one point ------------------------------------------------------------------------------
+    def run_point(self, phase: str, system: str, label: str, plan_index: int | None, point: dict[str, Any],
+                  state: Any, timer: PhaseTimer, stats: Any, warmup: int, iters: int) -> None:
+        from megatron_hybridep.megatron.gpt import train_step
+
+        mbs, seq = point["micro_batch"], point["seq"]
+        batches = [self.corpus.batch(mbs, seq, self.rank, step) for step in range(warmup + iters)]
+        t0 = time.perf_counter()
+        for tokens, labels in batches[:warmup]:
+            train_step(state, tokens, labels)
+        dist.barrier()
+        warmup_s = time.perf_counter() - t0
+        load0 = os.getloadavg()[0]  # the machine is shared: say how busy it was
+        counters0 = wan_counters() if self.local_rank == 0 else None
+        rows = []
+        dist.barrier()  # the window starts together; no barrier between steps (training has none)
+        last = time.perf_counter()
+        for tokens, labels in batches[warmup:]:
+            stats.reset()
+            timer.reset()
+            out = train_step(state, tokens, labels)
+            now = time.perf_counter()
+            rows.append({"step_s": now - last, "loss": out["loss"], **timer.t, **_stats_row(stats)})
+            last = now
+        dist.barrier()
+        link = None
+        if counters0 is not None:
+            tx, rx = wan_counters()
+            link = {"dc": self.dc, "tx_bytes": tx - counters0[0], "rx_bytes": rx - counters0[1]}
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, {"rank": self.rank, "rows": rows, "link": link})
+        if self.rank != 0:
+            return
+        links = sorted((e["link"] for e in everyone if e["link"] is not None), key=lambda c: c["dc"])
+        # a step's time is its slowest rank's (each rank: end of step i-1 to end of step i)
+        steps = [max(e["rows"][i]["step_s"] for e in everyone) for i in range(iters)]
+        per_rank = [e["rows"] for e in everyone]
+        for i, step in enumerate(steps):
+            emit("iter", phase=phase, system=system, plan=label, point=point["index"], iter=i, step_s=step,
+                 loss=per_rank[0][i]["loss"])
+        emit("point", phase=phase, system=system, plan=label, plan_index=plan_index, point=point["index"],
+             tokens=mbs * seq, micro_batch=mbs, seq=seq, iters=iters, step_s=steps,
+             median_s=statistics.median(steps), warmup_s=warmup_s, loadavg=(load0, os.getloadavg()[0]), link=links,
+             ranks={k: _mean_over(per_rank, k) for k in per_rank[0][0] if k not in ("step_s", "loss")})
+
+
+def _stats_row(stats: Any) -> dict[str, float]:
+    """Seconds and inter-DC payload bytes per phase of one step (runtime/instrument.Stats), and the
+    expert gathers' issue-to-use time (the compute a prefetched gather overlaps)."""
+    out: dict[str, float] = {}
+    for phase in ("token_dispatch", "token_combine", "expert_gather", "grad_return"):
+        out[f"{phase}_s"] = stats.seconds_by(phase=phase, level="all")
+        out[f"{phase}_dc_bytes"] = float(stats.bytes_by(phase=phase, level="dc"))
+    out["expert_gather_wall_s"] = sum(r.wall for (_, phase, _, level), r in stats.records.items()
+                                      if phase == "expert_gather" and level == "all")
+    return out
+
+
+def _mean_over(per_rank: list[list[dict[str, float]]], key: str) -> float:
+    """Mean over ranks of the per-step median: one number per point for each measured phase."""
+    return statistics.fmean(statistics.median(r[key] for r in rows) for rows in per_rank)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--spec", required=True, help="JSON file written by `hybridep bench`")
+    ns = parser.parse_args(argv)
+    with open(ns.spec) as f:
+        spec = json.load(f)
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*not installed.*")
+    warnings.filterwarnings("ignore", message=".*GPTModel IS DEPRECATED.*")
+    torch.set_num_threads(1)  # the ranks share the machine's cores, as torchrun's OMP default does
+    dist.init_process_group("gloo", timeout=timedelta(seconds=spec["timeout_s"]))
+    from megatron_hybridep.megatron import cpu_runtime
+
+    cpu_runtime.enable()
+    try:
+        Worker(spec).run()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
