@@ -67,6 +67,7 @@ DEFAULTS: dict[str, Any] = {"dcs": 2, "ranks_per_dc": 2, "rate": "30mbit", "poin
 # --smoke: the same path end to end, small enough for CI (< 60 s on 2 cores)
 SMOKE: dict[str, Any] = {"points": 2, "min_tokens": 32, "seq": 32, "warmup": 1, "iters": 2, "timeout": 150.0}
 PROBE_S = 0.4  # seconds per bandwidth probe (unshaped cross-DC and intra-DC)
+PROBE_REPEATS = 3  # bare all-to-alls on the shaped WAN
 
 
 class BenchError(RuntimeError):
@@ -278,6 +279,10 @@ class Session:
         if op == "next":
             if not self.candidates:
                 self.probe()
+                self.set_shaped(True)
+                m = self.cfg.model  # EP's all-to-all of each point, bytes per rank
+                sizes = [p["tokens"] * m.topk * m.hidden_size * bp.FP32 for p in self.cfg.points]
+                return {"probe": {"sizes": sizes, "repeats": PROBE_REPEATS}}
             self.set_shaped(False)
             if not self.queue:
                 return {"done": True}
@@ -369,6 +374,7 @@ def analyse(cfg: BenchConfig, session: Session, events: list[dict[str, Any]], el
     dense = next(e["dense_params"] for e in events if e["event"] == "model")
     shaped, unshaped = session.topology(shaped=True), session.topology(shaped=False)
     ep_median = {e["point"]: e["median_s"] for e in measured if e["system"] == "ep"}
+    probes = probe_summary(cfg, events)
     rows: list[br.Row] = []
     for e in sorted(measured, key=lambda e: (e["point"], SYSTEMS.index(e["system"]))):
         point = cfg.points[e["point"]]
@@ -380,19 +386,22 @@ def analyse(cfg: BenchConfig, session: Session, events: list[dict[str, Any]], el
         base = calib[(e["system"], e["plan"], e["point"])]
         window = base["ranks"]["expert_gather_wall_s"] / cfg.model.num_layers if plan.domain_size > 1 else None
         pred = bp.predict(shaped, unshaped, workload, plan, dense, base["median_s"], window)
-        rows.append(make_row(cfg, e, base, pred, ep_median[e["point"]]))
+        eff = probes.get(e["point"], {}).get("efficiency", 1.0)
+        rows.append(make_row(cfg, e, base, pred, ep_median[e["point"]], eff))
     checks = br.check_targets(rows)
     write_outputs(cfg, rows, checks, session, elapsed_s)
     return {"rows": rows, "checks": checks, "elapsed_s": elapsed_s}
 
 
 def make_row(cfg: BenchConfig, e: dict[str, Any], base: dict[str, Any], pred: bp.Prediction,
-             ep_median: float) -> br.Row:
+             ep_median: float, a2a_efficiency: float) -> br.Row:
     steps, r, b = e["step_s"], e["ranks"], base["ranks"]
     q1, q3 = br.quartiles(steps)
     link = e["link"]
     n, it = len(link), e["iters"]
     a2a_fwd = r["token_dispatch_s"] + r["token_combine_s"]
+    # the token all-to-alls at the rate the probe saw a bare all-to-all of this size get
+    probed = pred.total + pred.phases["token_a2a"] * (1 / a2a_efficiency - 1)
     payload = sum(r[f"{p}_dc_bytes"] for p in ("token_dispatch", "token_combine", "expert_gather", "grad_return"))
     payload += r["token_dispatch_dc_bytes"] + r["token_combine_dc_bytes"]  # backward: the transposes
     return br.Row(
@@ -401,6 +410,8 @@ def make_row(cfg: BenchConfig, e: dict[str, Any], base: dict[str, Any], pred: bp
         iters=it, median_s=e["median_s"], min_s=min(steps), max_s=max(steps), q1_s=q1, q3_s=q3,
         speedup_vs_ep=ep_median / e["median_s"], unshaped_s=base["median_s"], predicted_s=pred.total,
         pred_error_pct=(pred.total / e["median_s"] - 1) * 100, planner_s=pred.planner_total,
+        a2a_efficiency=a2a_efficiency, pred_probe_s=probed,
+        pred_probe_error_pct=(probed / e["median_s"] - 1) * 100,
         pred_token_a2a_s=pred.phases["token_a2a"], pred_expert_gather_s=pred.phases["expert_gather"],
         pred_grad_return_s=pred.phases["grad_return"],
         pred_expert_grad_allreduce_s=pred.phases["expert_grad_allreduce"],
@@ -415,6 +426,28 @@ def make_row(cfg: BenchConfig, e: dict[str, Any], base: dict[str, Any], pred: bp
         wan_rx_mb=sum(c["rx_bytes"] for c in link) / n / it / 1e6,
         pred_wan_mb=pred.dc_uplink_bytes / TCP_GOODPUT_FRACTION / 1e6,
         payload_dc_mb=payload / 1e6)
+
+
+def probe_summary(cfg: BenchConfig, events: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per point, the bare all-to-all probe against the configured rate (its wire bytes / rate)."""
+    out = {}
+    for e in events:
+        if e["event"] != "probe" or not e["link"]:
+            continue
+        wire = sum(c["tx_bytes"] for c in e["link"]) / len(e["link"]) / e["repeats"]
+        ideal = wire / (cfg.rate_mbit * 1e6 / 8)
+        out[e["point"]] = {"bytes_per_rank": e["bytes_per_rank"], "median_s": e["median_s"], "wan_mb": wire / 1e6,
+                           "ideal_s": ideal, "efficiency": ideal / e["median_s"]}
+    return out
+
+
+def format_probe(cfg: BenchConfig, probes: dict[int, dict[str, float]]) -> str:
+    if not probes:
+        return "all-to-all probe: none"
+    parts = [f"{cfg.points[p]['tokens']}: {v['median_s'] * 1e3:.0f}/{v['ideal_s'] * 1e3:.0f} ms = {v['efficiency']:.0%}"
+             for p, v in sorted(probes.items())]
+    return ("bare gloo all-to-all of each point's EP size on the shaped WAN (measured / its wire bytes at the rate = "
+            "share of the rate it gets): " + ", ".join(parts))
 
 
 def machine() -> str:
@@ -434,6 +467,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
     title = (f"HybridEP vs alltoall EP vs replicated: {cfg.dcs} DCs x {cfg.ranks_per_dc} ranks, WAN {cfg.rate_text} "
              f"per DC, model {cfg.model.name}, {cfg.iters} iterations per point")
     br.plot(rows, png_path, title)
+    probe = probe_summary(cfg, session.events)
     window = sum(r.wan_tx_mb * r.iters for r in rows)
     total = session.info["shaped_tx_bytes"] / cfg.dcs / 1e6
     summary = {
@@ -444,6 +478,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         "hybridep_plans": session.info["chosen"], "planner_best_overall": session.info["planner_best"],
         "targets": [c.__dict__ for c in checks],
         "link_counters_check_mb": {"timed_windows": window, "shaped_segments": total},
+        "all_to_all_probe": probe,
     }
     (cfg.out / "summary.json").write_text(json.dumps(summary, indent=1))
     text = [
@@ -451,12 +486,16 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         f"testbed: {cfg.dcs} DCs x {cfg.ranks_per_dc} ranks, WAN {cfg.rate_text} per DC uplink "
         f"(TCP goodput {summary['goodput_mbit']:.1f} Mbit/s), model {cfg.model.name}, "
         f"{cfg.warmup} warm-up + {cfg.iters} timed iterations",
-        "", br.format_table(rows), "",
+        "", br.format_table(rows),
+        "median of the timed iterations [min-max]; pred = cost-model prediction (WAN at the TCP goodput of the "
+        "rate), err = (pred - measured) / measured; probe = the error with the token all-to-alls at the share of the "
+        "rate a bare all-to-all of the same size got (below)", "",
         "per phase, ms per iteration (measured / predicted; a2a = forward dispatch + combine, the backward's "
         "transposes are not timed separately):",
         br.format_phases(rows), "",
         "planner's overall best per point (its own cost model, replicated included): "
         + ", ".join(f"{cfg.points[p]['tokens']}: {b}" for p, b in sorted(session.info["planner_best"].items())),
+        format_probe(cfg, probe),
         f"link counters: the timed windows hold {window:.1f} MB of the {total:.1f} MB per DC uplink (tx) sent while "
         "the WAN was shaped (the rest: warm-up)",
         "targets:", br.format_targets(checks), "",
@@ -472,7 +511,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = resolve(args)
         run_bench(cfg)
-    except (BenchError, TestbedError) as exc:
+    except (BenchError, TestbedError, PlanError) as exc:
         print(f"hybridep bench: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -37,6 +37,9 @@ class Row:
     predicted_s: float
     pred_error_pct: float  # (predicted - measured) / measured
     planner_s: float  # the cost model's own total (its overlap assumptions, compute from T_pre only)
+    a2a_efficiency: float  # share of the rate a bare gloo all-to-all of EP's size got on the shaped WAN
+    pred_probe_s: float  # predicted_s with the token all-to-alls at that probed rate
+    pred_probe_error_pct: float
     pred_token_a2a_s: float
     pred_expert_gather_s: float
     pred_grad_return_s: float
@@ -83,14 +86,14 @@ def _ms(s: float) -> str:
 
 def format_table(rows: Sequence[Row]) -> str:
     head = (f"{'pt':>2} {'tokens':>6} {'traffic':>8}  {'system':<11} {'plan':<17} {'median ms':>9} "
-            f"{'[min-max]':>13} {'vs EP':>6} {'pred ms':>8} {'err':>6}  {'WAN MB/it tx/rx':>15}")
+            f"{'[min-max]':>13} {'vs EP':>6} {'pred ms':>8} {'err':>6} {'probe':>6}  {'WAN MB/it tx/rx':>15}")
     lines = [head, "-" * len(head)]
     for r in rows:
         spread = f"[{_ms(r.min_s)}-{_ms(r.max_s)}]"
         lines.append(
             f"{r.point:>2} {r.tokens:>6} {r.token_traffic_mb:>6.1f}MB  {SYSTEM_LABEL[r.system]:<11} {r.plan:<17} "
             f"{_ms(r.median_s):>9} {spread:>13} {r.speedup_vs_ep:>5.2f}x {_ms(r.predicted_s):>8} "
-            f"{r.pred_error_pct:>+5.1f}%  {r.wan_tx_mb:>7.2f}/{r.wan_rx_mb:<7.2f}")
+            f"{r.pred_error_pct:>+5.1f}% {r.pred_probe_error_pct:>+5.1f}%  {r.wan_tx_mb:>7.2f}/{r.wan_rx_mb:<7.2f}")
     return "\n".join(lines)
 
 

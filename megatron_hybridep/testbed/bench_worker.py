@@ -143,10 +143,40 @@ class Worker:
             order = self.ask({"op": "next"})
             if order.get("done"):
                 break
+            if "probe" in order:
+                self.probe(order["probe"])
+                continue
             self.run_system(order)
         if self.control is not None:  # every event went with a "next" request, the last with the final one
             self.control.bye()
         dist.barrier()
+
+    def probe(self, spec: dict[str, Any]) -> None:
+        """Bare gloo all-to-alls over all ranks (EP's pattern, no model), one size per point: what
+        the shaped WAN delivers to them (time = slowest rank's; counters over the timed repeats)."""
+        for point, size in enumerate(spec["sizes"]):
+            n = max(size // 4 // self.world, 1) * self.world
+            x, y = torch.ones(n), torch.empty(n)
+            times, counters0 = [], None
+            for i in range(spec["repeats"] + 1):  # the first is a warm-up
+                dist.barrier()
+                if i == 1 and self.local_rank == 0:
+                    counters0 = wan_counters()
+                t0 = time.perf_counter()
+                dist.all_to_all_single(y, x)
+                dt = torch.tensor([time.perf_counter() - t0])
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                times.append(dt.item())
+            dist.barrier()
+            link = None
+            if counters0 is not None:
+                tx, rx = wan_counters()
+                link = {"dc": self.dc, "tx_bytes": tx - counters0[0], "rx_bytes": rx - counters0[1]}
+            links: list[Any] = [None] * self.world
+            dist.all_gather_object(links, link)
+            if self.rank == 0:
+                emit("probe", point=point, bytes_per_rank=n * 4, repeats=spec["repeats"], step_s=times[1:],
+                     median_s=statistics.median(times[1:]), link=[c for c in links if c is not None])
 
     # ---- one system -----------------------------------------------------------------------------
     def _args(self, system: str) -> Any:
