@@ -6,9 +6,9 @@ the real Megatron GPT-MoE on the emulated multi-DC testbed (network namespaces +
     python -m megatron_hybridep bench --rate 100mbit --points 4 --min-tokens 256 --out runs/b1
 
 One testbed (D DCs x K ranks), one launch of the rank workers (bench_worker), steered by the parent
-over a control socket (bench_control). Point by point (tokens per rank = micro_batch x seq, --points
-values over a 32x range, so the token traffic per rank spans 32x like the paper's 6..192 MB), system
-by system (EP first, then replicated, then HybridEP):
+over a control socket (bench_control). Point by point, highest traffic first (tokens per rank =
+micro_batch x seq, --points values over a 32x range, so the token traffic per rank spans 32x like the
+paper's 6..192 MB), system by system (EP first, then replicated, then HybridEP):
 1. WAN unshaped: build the system, warm up, K iterations -> the unshaped step time the prediction
    starts from, and (EP) the compute the cost model is fed: T_pre and the expert speed;
 2. HybridEP's plan is the planner's (plan/planner.py, its own cost model) for a Topology of the
@@ -241,7 +241,9 @@ class Session:
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.queue = [(p["index"], s) for p in self.cfg.points for s in SYSTEMS if s in self.cfg.systems]
+        # highest traffic first: its comparison matters most, and on a shared machine the first
+        # minutes are the ones most likely to see the load the run started with
+        self.queue = [(p["index"], s) for p in reversed(self.cfg.points) for s in SYSTEMS if s in self.cfg.systems]
         self.info.update(chosen={}, planner_best={}, shaped_tx_bytes=0.0)
 
     def say(self, msg: str) -> None:
@@ -425,7 +427,7 @@ def make_row(cfg: BenchConfig, e: dict[str, Any], base: dict[str, Any], pred: bp
         wan_tx_mb=sum(c["tx_bytes"] for c in link) / n / it / 1e6,
         wan_rx_mb=sum(c["rx_bytes"] for c in link) / n / it / 1e6,
         pred_wan_mb=pred.dc_uplink_bytes / TCP_GOODPUT_FRACTION / 1e6,
-        payload_dc_mb=payload / 1e6)
+        payload_dc_mb=payload / 1e6, loadavg=sum(e["loadavg"]) / 2)
 
 
 def probe_summary(cfg: BenchConfig, events: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
@@ -489,7 +491,8 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         "", br.format_table(rows),
         "median of the timed iterations [min-max]; pred = cost-model prediction (WAN at the TCP goodput of the "
         "rate), err = (pred - measured) / measured; probe = the error with the token all-to-alls at the share of the "
-        "rate a bare all-to-all of the same size got (below)", "",
+        "rate a bare all-to-all of the same size got (below); load = the machine's 1-minute load average around the "
+        f"timed window ({os.cpu_count()} cores: above that, other jobs competed for them)", "",
         "per phase, ms per iteration (measured / predicted; a2a = forward dispatch + combine, the backward's "
         "transposes are not timed separately):",
         br.format_phases(rows), "",

@@ -57,6 +57,7 @@ class Row:
     wan_rx_mb: float
     pred_wan_mb: float  # predicted wire bytes per DC uplink, direction and iteration
     payload_dc_mb: float  # token/expert payload to other DCs per rank and iteration (instrumented)
+    loadavg: float  # the machine's 1-minute load average around the timed window (cores are shared)
 
 
 def quartiles(xs: Sequence[float]) -> tuple[float, float]:
@@ -86,14 +87,16 @@ def _ms(s: float) -> str:
 
 def format_table(rows: Sequence[Row]) -> str:
     head = (f"{'pt':>2} {'tokens':>6} {'traffic':>8}  {'system':<11} {'plan':<17} {'median ms':>9} "
-            f"{'[min-max]':>13} {'vs EP':>6} {'pred ms':>8} {'err':>6} {'probe':>6}  {'WAN MB/it tx/rx':>15}")
+            f"{'[min-max]':>13} {'vs EP':>6} {'pred ms':>8} {'err':>6} {'probe':>6}  {'WAN MB/it tx/rx':>15} "
+            f"{'load':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
         spread = f"[{_ms(r.min_s)}-{_ms(r.max_s)}]"
         lines.append(
             f"{r.point:>2} {r.tokens:>6} {r.token_traffic_mb:>6.1f}MB  {SYSTEM_LABEL[r.system]:<11} {r.plan:<17} "
             f"{_ms(r.median_s):>9} {spread:>13} {r.speedup_vs_ep:>5.2f}x {_ms(r.predicted_s):>8} "
-            f"{r.pred_error_pct:>+5.1f}% {r.pred_probe_error_pct:>+5.1f}%  {r.wan_tx_mb:>7.2f}/{r.wan_rx_mb:<7.2f}")
+            f"{r.pred_error_pct:>+5.1f}% {r.pred_probe_error_pct:>+5.1f}%  {r.wan_tx_mb:>7.2f}/{r.wan_rx_mb:<7.2f} "
+            f"{r.loadavg:>5.1f}")
     return "\n".join(lines)
 
 
