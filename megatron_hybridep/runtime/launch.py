@@ -60,8 +60,11 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, timeout: flo
                env: dict[str, str], dump_path: str, results: mp.Queue, args: tuple, kwargs: dict) -> None:
     os.environ.update(env)
     for harmless in (r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*",
-                     r".*transformer-engine>=1\.7\.0 supports MoE experts.*"):
-        warnings.filterwarnings("ignore", message=harmless)  # CPU: no TE/Apex, by design
+                     r".*transformer-engine>=1\.7\.0 supports MoE experts.*",
+                     r"full scope is deprecated.*", r"MimoModelConfig is experimental.*",
+                     r".*`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated.*"):
+        # CPU: no TE/Apex by design; the rest are Megatron's own calls, repeated on every rank
+        warnings.filterwarnings("ignore", message=harmless)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     # A hung rank dumps every thread's stack and exits by itself, even if the parent is gone.
