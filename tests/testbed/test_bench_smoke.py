@@ -79,7 +79,7 @@ def test_default_sweep_spans_32x_as_micro_batch_times_seq():
     tokens = [p["tokens"] for p in cfg.points]
     assert tokens == [128, 256, 512, 1024, 2048, 4096]
     assert all(p["micro_batch"] * p["seq"] == p["tokens"] for p in cfg.points)
-    assert "--rate 30mbit" in cfg.command() and "--points 6" in cfg.command()
+    assert "--rate 50mbit" in cfg.command() and "--points 6" in cfg.command()
 
 
 @pytest.mark.parametrize("kw, field", [
