@@ -1,0 +1,155 @@
+"""Analysis of a `hybridep bench` run: rows (measured, predicted, bytes), the all-to-all probe, the
+target check, and the files (CSV, PNG, summary.json, report.txt) plus the printed report."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from typing import Any
+
+from megatron_hybridep.testbed import bench_predict as bp
+from megatron_hybridep.testbed import bench_report as br
+from megatron_hybridep.testbed.bench_config import SYSTEMS, BenchConfig
+from megatron_hybridep.testbed.bench_session import Session
+from megatron_hybridep.testbed.selfcheck import TCP_GOODPUT_FRACTION
+
+
+def analyse(cfg: BenchConfig, session: Session, events: list[dict[str, Any]], elapsed_s: float) -> dict[str, Any]:
+    measured = [e for e in events if e["event"] == "point" and e["phase"] == "measure"]
+    calib = {(e["system"], e["plan"], e["point"]): e for e in events
+             if e["event"] == "point" and e["phase"] == "calibrate"}
+    dense = next(e["dense_params"] for e in events if e["event"] == "model")
+    shaped, unshaped = session.topology(shaped=True), session.topology(shaped=False)
+    ep_median = {e["point"]: e["median_s"] for e in measured if e["system"] == "ep"}
+    probes = probe_summary(cfg, events)
+    rows: list[br.Row] = []
+    for e in sorted(measured, key=lambda e: (e["point"], SYSTEMS.index(e["system"]))):
+        point = cfg.points[e["point"]]
+        workload = session.workload(point, events)
+        if e["system"] == "hybridep":
+            plan = session.chosen[e["point"]]
+        else:
+            plan = bp.system_plan(e["system"], shaped, cfg.model.num_experts)
+        base = calib[(e["system"], e["plan"], e["point"])]
+        window = base["ranks"]["expert_gather_wall_s"] / cfg.model.num_layers if plan.domain_size > 1 else None
+        pred = bp.predict(shaped, unshaped, workload, plan, dense, base["median_s"], window)
+        eff = probes.get(e["point"], {}).get("efficiency", 1.0)
+        rows.append(make_row(cfg, e, base, pred, ep_median[e["point"]], eff))
+    checks = br.check_targets(rows)
+    write_outputs(cfg, rows, checks, session, elapsed_s)
+    return {"rows": rows, "checks": checks, "elapsed_s": elapsed_s}
+
+
+def make_row(cfg: BenchConfig, e: dict[str, Any], base: dict[str, Any], pred: bp.Prediction,
+             ep_median: float, a2a_efficiency: float) -> br.Row:
+    steps, r, b = e["step_s"], e["ranks"], base["ranks"]
+    q1, q3 = br.quartiles(steps)
+    link = e["link"]
+    n, it = len(link), e["iters"]
+    a2a_fwd = r["token_dispatch_s"] + r["token_combine_s"]
+    # the token all-to-alls at the rate the probe saw a bare all-to-all of this size get
+    probed = pred.total + pred.phases["token_a2a"] * (1 / a2a_efficiency - 1)
+    payload = sum(r[f"{p}_dc_bytes"] for p in ("token_dispatch", "token_combine", "expert_gather", "grad_return"))
+    payload += r["token_dispatch_dc_bytes"] + r["token_combine_dc_bytes"]  # backward: the transposes
+    return br.Row(
+        point=e["point"], tokens=e["tokens"], micro_batch=e["micro_batch"], seq=e["seq"],
+        token_traffic_mb=cfg.model.token_traffic_bytes(e["tokens"]) / 1e6, system=e["system"], plan=e["plan"],
+        iters=it, median_s=e["median_s"], min_s=min(steps), max_s=max(steps), q1_s=q1, q3_s=q3,
+        speedup_vs_ep=ep_median / e["median_s"], unshaped_s=base["median_s"], predicted_s=pred.total,
+        pred_error_pct=(pred.total / e["median_s"] - 1) * 100, planner_s=pred.planner_total,
+        a2a_efficiency=a2a_efficiency, pred_probe_s=probed,
+        pred_probe_error_pct=(probed / e["median_s"] - 1) * 100,
+        pred_token_a2a_s=pred.phases["token_a2a"], pred_expert_gather_s=pred.phases["expert_gather"],
+        pred_grad_return_s=pred.phases["grad_return"],
+        pred_expert_grad_allreduce_s=pred.phases["expert_grad_allreduce"],
+        pred_dense_grad_allreduce_s=pred.phases["dense_grad_allreduce"],
+        meas_a2a_fwd_s=a2a_fwd,
+        pred_a2a_fwd_s=b["token_dispatch_s"] + b["token_combine_s"] + pred.phases["token_a2a"] / 2,
+        meas_gather_wait_s=r["expert_gather_s"], pred_gather_wait_s=b["expert_gather_s"] + pred.phases["expert_gather"],
+        meas_grad_return_s=r["grad_return_s"], pred_grad_return_full_s=b["grad_return_s"] + pred.phases["grad_return"],
+        meas_grad_sync_s=r["grad_sync"],
+        pred_grad_sync_s=b["grad_sync"] + pred.phases["expert_grad_allreduce"] + pred.phases["dense_grad_allreduce"],
+        wan_tx_mb=sum(c["tx_bytes"] for c in link) / n / it / 1e6,
+        wan_rx_mb=sum(c["rx_bytes"] for c in link) / n / it / 1e6,
+        pred_wan_mb=pred.dc_uplink_bytes / TCP_GOODPUT_FRACTION / 1e6,
+        payload_dc_mb=payload / 1e6, loadavg=sum(e["loadavg"]) / 2)
+
+
+def probe_summary(cfg: BenchConfig, events: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per point, the bare all-to-all probe against the configured rate (its wire bytes / rate)."""
+    out = {}
+    for e in events:
+        if e["event"] != "probe" or not e["link"]:
+            continue
+        wire = sum(c["tx_bytes"] for c in e["link"]) / len(e["link"]) / e["repeats"]
+        ideal = wire / (cfg.rate_mbit * 1e6 / 8)
+        out[e["point"]] = {"bytes_per_rank": e["bytes_per_rank"], "median_s": e["median_s"], "wan_mb": wire / 1e6,
+                           "ideal_s": ideal, "efficiency": ideal / e["median_s"]}
+    return out
+
+
+def format_probe(cfg: BenchConfig, probes: dict[int, dict[str, float]]) -> str:
+    if not probes:
+        return "all-to-all probe: none"
+    parts = [f"{cfg.points[p]['tokens']}: {v['median_s'] * 1e3:.0f}/{v['ideal_s'] * 1e3:.0f} ms = {v['efficiency']:.0%}"
+             for p, v in sorted(probes.items())]
+    return ("bare gloo all-to-all of each point's EP size on the shaped WAN (measured / its wire bytes at the rate = "
+            "share of the rate it gets): " + ", ".join(parts))
+
+
+def machine() -> str:
+    cpu = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, torch CPU + gloo"
+
+
+def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCheck], session: Session,
+                  elapsed_s: float) -> None:
+    csv_path, png_path = cfg.out / "bench.csv", cfg.out / "bench.png"
+    br.write_csv(rows, csv_path)
+    title = (f"HybridEP vs alltoall EP vs replicated: {cfg.dcs} DCs x {cfg.ranks_per_dc} ranks, WAN {cfg.rate_text} "
+             f"per DC, model {cfg.model.name}, {cfg.iters} iterations per point")
+    br.plot(rows, png_path, title)
+    probe = probe_summary(cfg, session.events)
+    window = sum(r.wan_tx_mb * r.iters for r in rows)
+    total = session.info["shaped_tx_bytes"] / cfg.dcs / 1e6
+    summary = {
+        "command": cfg.command(), "machine": machine(), "rate_mbit": cfg.rate_mbit,
+        "goodput_mbit": cfg.rate_mbit * TCP_GOODPUT_FRACTION, "model": cfg.model.__dict__,
+        "points": cfg.points, "elapsed_s": elapsed_s, "probe": {k: session.info[k] for k in
+                                                                ("unshaped_wan_mbit", "intra_mbit")},
+        "hybridep_plans": session.info["chosen"], "planner_best_overall": session.info["planner_best"],
+        "targets": [c.__dict__ for c in checks],
+        "link_counters_check_mb": {"timed_windows": window, "shaped_segments": total},
+        "all_to_all_probe": probe,
+    }
+    (cfg.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    text = [
+        f"machine: {summary['machine']}",
+        f"testbed: {cfg.dcs} DCs x {cfg.ranks_per_dc} ranks, WAN {cfg.rate_text} per DC uplink "
+        f"(TCP goodput {summary['goodput_mbit']:.1f} Mbit/s), model {cfg.model.name}, "
+        f"{cfg.warmup} warm-up + {cfg.iters} timed iterations",
+        "", br.format_table(rows),
+        "median of the timed iterations [min-max]; pred = cost-model prediction (WAN at the TCP goodput of the "
+        "rate), err = (pred - measured) / measured; probe = the error with the token all-to-alls at the share of the "
+        "rate a bare all-to-all of the same size got (below); load = the machine's 1-minute load average around the "
+        f"timed window ({os.cpu_count()} cores: above that, other jobs competed for them)", "",
+        "per phase, ms per iteration (measured / predicted; a2a = forward dispatch + combine, the backward's "
+        "transposes are not timed separately):",
+        br.format_phases(rows), "",
+        "planner's overall best per point (its own cost model, replicated included): "
+        + ", ".join(f"{cfg.points[p]['tokens']}: {b}" for p, b in sorted(session.info["planner_best"].items())),
+        format_probe(cfg, probe),
+        f"link counters: the timed windows hold {window:.1f} MB of the {total:.1f} MB per DC uplink (tx) sent while "
+        "the WAN was shaped (the rest: warm-up)",
+        "targets:", br.format_targets(checks), "",
+        f"wrote {csv_path}, {png_path}, {cfg.out / 'summary.json'}; {elapsed_s:.0f} s",
+        f"command: {cfg.command()}",
+    ]
+    (cfg.out / "report.txt").write_text("\n".join(text) + "\n")
+    print("\n".join(text))

@@ -1,0 +1,158 @@
+"""Options and configuration of `hybridep bench`: defaults, --smoke, the token sweep, and checks that
+name the option and the fix."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_hybridep.plan.errors import PlanError
+from megatron_hybridep.testbed import bench_predict as bp
+from megatron_hybridep.testbed.sh import TestbedError
+from megatron_hybridep.testbed.shaping import parse_rate_mbit
+
+SYSTEMS = ("ep", "replicated", "hybridep")
+SPAN = 32  # token traffic range of the sweep (paper: 6..192 MB)
+DEFAULTS: dict[str, Any] = {"dcs": 2, "ranks_per_dc": 2, "rate": "50mbit", "points": 6, "min_tokens": 128,
+                            "seq": 128, "warmup": 2, "iters": 7, "systems": ",".join(SYSTEMS), "timeout": 1800.0,
+                            "burst_ms": 1.0}
+# --smoke: the same path end to end, small enough for CI (< 60 s on 2 cores)
+SMOKE: dict[str, Any] = {"points": 2, "min_tokens": 32, "seq": 32, "warmup": 1, "iters": 2, "timeout": 150.0}
+
+
+class BenchError(RuntimeError):
+    """A bad option or a failed run; the message names the field and the fix."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register `hybridep bench` options (None = the default, or the --smoke value)."""
+    d = DEFAULTS
+    parser.add_argument("--model", default=None,
+                        help="model YAML (configs/models/*.yaml, num_layers == num_moe_layers); default: built-in "
+                             f"{bp.BUILTIN.name} (2 layers, hidden 64, 8 experts of ffn 64, top-2)")
+    parser.add_argument("--dcs", type=int, default=None, help=f"emulated DCs (default {d['dcs']})")
+    parser.add_argument("--ranks-per-dc", type=int, default=None, help=f"ranks per DC (default {d['ranks_per_dc']})")
+    parser.add_argument("--rate", default=None, help=f"WAN uplink rate of every DC (default {d['rate']})")
+    parser.add_argument("--points", type=int, default=None, help=f"sweep points over a {SPAN}x token range "
+                        f"(default {d['points']})")
+    parser.add_argument("--min-tokens", type=int, default=None,
+                        help=f"tokens per rank at the first point (default {d['min_tokens']})")
+    parser.add_argument("--seq", type=int, default=None, help=f"sequence length; tokens = micro_batch x seq "
+                        f"(default {d['seq']})")
+    parser.add_argument("--warmup", type=int, default=None, help=f"warm-up iterations per run (default {d['warmup']})")
+    parser.add_argument("--iters", type=int, default=None, help=f"timed iterations per run (default {d['iters']})")
+    parser.add_argument("--systems", default=None, help=f"comma list of {','.join(SYSTEMS)} (default: all)")
+    parser.add_argument("--out", default=None, help="output directory (default runs/bench-<time>)")
+    parser.add_argument("--timeout", type=float, default=None, help=f"limit for the whole run in s "
+                        f"(default {d['timeout']:g})")
+    parser.add_argument("--burst-ms", type=float, default=None,
+                        help="HTB bucket of each uplink as time at the rate (default 1 ms, like a real link that banks "
+                             "no idle time; 0 keeps the testbed's >= 70 KB)")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"quick end-to-end check: {SMOKE['points']} points from {SMOKE['min_tokens']} tokens, "
+                             f"seq {SMOKE['seq']}, {SMOKE['warmup']} warm-up + {SMOKE['iters']} iterations")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+# ---- configuration ---------------------------------------------------------------------------------
+@dataclass
+class BenchConfig:
+    model: bp.ModelShape
+    model_source: str
+    dcs: int
+    ranks_per_dc: int
+    rate_mbit: float
+    rate_text: str
+    points: list[dict[str, int]]
+    seq: int
+    min_tokens: int
+    warmup: int
+    iters: int
+    systems: list[str]
+    out: Path
+    timeout: float
+    smoke: bool
+    burst_ms: float
+    quiet: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dcs * self.ranks_per_dc
+
+    def command(self) -> str:
+        """The exact command that reproduces this run (every option spelled out)."""
+        argv = ["python", "-m", "megatron_hybridep", "bench"]
+        if self.model_source != "builtin":
+            argv += ["--model", self.model_source]
+        argv += ["--dcs", str(self.dcs), "--ranks-per-dc", str(self.ranks_per_dc), "--rate", self.rate_text,
+                 "--points", str(len(self.points)), "--min-tokens", str(self.min_tokens), "--seq", str(self.seq),
+                 "--warmup", str(self.warmup), "--iters", str(self.iters), "--systems", ",".join(self.systems),
+                 "--burst-ms", f"{self.burst_ms:g}", "--out", str(self.out)]
+        return shlex.join(argv)
+
+
+def sweep(min_tokens: int, seq: int, points: int) -> list[dict[str, int]]:
+    """Tokens per rank from min_tokens over a SPAN-fold range, geometric, as micro_batch x seq."""
+    out = []
+    for i in range(points):
+        tokens = min_tokens * SPAN ** (i / (points - 1))
+        mbs = max(1, round(tokens / seq))
+        out.append({"index": i, "micro_batch": mbs, "seq": seq, "tokens": mbs * seq})
+    return out
+
+
+def resolve(args: argparse.Namespace) -> BenchConfig:
+    def get(name: str) -> Any:
+        value = getattr(args, name, None)
+        if value is not None:
+            return value
+        return SMOKE[name] if args.smoke and name in SMOKE else DEFAULTS[name]
+
+    systems = [s.strip() for s in get("systems").split(",") if s.strip()]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad or not systems:
+        raise BenchError(f"--systems: unknown {bad or 'empty list'}; fix: a comma list of {','.join(SYSTEMS)}")
+    if "ep" not in systems:
+        raise BenchError("--systems: speedups are relative to alltoall EP; fix: keep 'ep' in the list")
+    dcs, k = get("dcs"), get("ranks_per_dc")
+    if dcs < 2:
+        raise BenchError(f"--dcs: need at least 2 DCs to have a WAN, got {dcs}; fix: --dcs 2")
+    if k < 1:
+        raise BenchError(f"--ranks-per-dc: must be >= 1, got {k}; fix: --ranks-per-dc 2")
+    if "replicated" in systems and k < 2:
+        raise BenchError("--systems replicated needs --ranks-per-dc >= 2 (EP inside each DC); fix: raise "
+                         "--ranks-per-dc or drop replicated from --systems")
+    points, seq, min_tokens = get("points"), get("seq"), get("min_tokens")
+    if points < 2:
+        raise BenchError(f"--points: need at least 2 to span a range, got {points}; fix: --points 6")
+    if seq < 2 or min_tokens < seq or min_tokens % seq:
+        raise BenchError(f"--min-tokens/--seq: tokens per rank are micro_batch x seq, so --min-tokens ({min_tokens}) "
+                         f"must be a positive multiple of --seq ({seq}); fix: e.g. --min-tokens {max(seq, 2) * 4}")
+    warmup, iters = get("warmup"), get("iters")
+    if warmup < 0 or iters < 1:
+        raise BenchError(f"--warmup/--iters: need warmup >= 0 and iters >= 1, got {warmup}/{iters}; "
+                         "fix: e.g. --warmup 2 --iters 7")
+    rate_text = str(get("rate"))
+    try:
+        rate = parse_rate_mbit(rate_text)
+    except TestbedError as exc:
+        raise BenchError(f"--rate: {exc}; fix: e.g. --rate 40mbit") from None
+    if rate is None:
+        raise BenchError("--rate: the benchmark needs a shaped WAN; fix: e.g. --rate 40mbit")
+    model_path = args.model
+    try:
+        model = bp.load_model(model_path) if model_path else bp.BUILTIN
+        model.check(dcs * k)
+    except PlanError as exc:
+        raise BenchError(f"--model: {exc}") from None
+    burst_ms = float(get("burst_ms"))
+    if burst_ms < 0:
+        raise BenchError(f"--burst-ms: must be >= 0, got {burst_ms}; fix: 1 (a real link) or 0 (the testbed's)")
+    out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
+    return BenchConfig(model, model_path or "builtin", dcs, k, rate, rate_text, sweep(min_tokens, seq, points), seq,
+                       min_tokens, warmup, iters, systems, out, float(get("timeout")), bool(args.smoke), burst_ms,
+                       bool(getattr(args, "quiet", False)))

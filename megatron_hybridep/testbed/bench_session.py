@@ -1,0 +1,152 @@
+"""The parent's side of `hybridep bench`'s control protocol (bench_control): what each rank-0 request
+is answered with, WAN shaping between the unshaped and shaped phases, the planner's choice per
+point, and the progress lines."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from megatron_hybridep.plan.plan import Plan
+from megatron_hybridep.testbed import bench_predict as bp
+from megatron_hybridep.testbed.bench_config import SYSTEMS, BenchConfig, BenchError
+from megatron_hybridep.testbed.network import Testbed
+from megatron_hybridep.testbed.selfcheck import TCP_GOODPUT_FRACTION, measure_throughput
+from megatron_hybridep.testbed.sh import sh
+
+PROBE_S = 0.4  # seconds per bandwidth probe (unshaped cross-DC and intra-DC)
+PROBE_REPEATS = 3  # bare all-to-alls on the shaped WAN
+
+
+class Progress:
+    """Stream for the launcher: prints one line per finished point (rank 0's events), drops the rest
+    (every rank's full output is in <out>/logs)."""
+
+    def __init__(self, t0: float, sink: IO[str] | None) -> None:
+        self.t0, self.sink = t0, sink
+
+    def write(self, text: str) -> None:
+        if self.sink is None or not text.startswith("[r0 ") or '"event": "point"' not in text:
+            return
+        e = json.loads(text.split("BENCH ", 1)[1])
+        self.sink.write(f"[{time.monotonic() - self.t0:6.0f}s] {e['phase']:<9} {e['system']:<10} {e['plan']:<17} "
+                        f"{e['tokens']:>6} tokens: median {e['median_s'] * 1e3:8.1f} ms\n")
+        self.sink.flush()
+
+    def flush(self) -> None:
+        pass
+
+
+@dataclass
+class Session:
+    """The parent's side of the control protocol. Point by point, system by system: build and
+    calibrate with the WAN unshaped, then shape it and measure (HybridEP: the planner's plan)."""
+
+    cfg: BenchConfig
+    tb: Testbed
+    log: IO[str]
+    queue: list[tuple[int, str]] = field(default_factory=list)
+    current: tuple[int, str] | None = None
+    shaped: bool = True
+    candidates: list[Plan] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)  # rank 0's, from the control requests
+    chosen: dict[int, Plan] = field(default_factory=dict)  # HybridEP's plan per point
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # highest traffic first: its comparison matters most, and on a shared machine the first
+        # minutes are the ones most likely to see the load the run started with
+        self.queue = [(p["index"], s) for p in reversed(self.cfg.points) for s in SYSTEMS if s in self.cfg.systems]
+        self.info.update(chosen={}, planner_best={}, shaped_tx_bytes=0.0)
+
+    def say(self, msg: str) -> None:
+        if not self.cfg.quiet:
+            self.log.write(msg + "\n")
+            self.log.flush()
+
+    def set_shaped(self, shaped: bool) -> None:
+        if shaped == self.shaped:
+            return
+        now = self.tb.link_counters()
+        if shaped:
+            self.info["_counters"] = now
+        elif (before := self.info.pop("_counters", None)) is not None:  # a shaped segment ended: its bytes (tx)
+            self.info["shaped_tx_bytes"] += sum(b.tx_bytes - a.tx_bytes for a, b in zip(before, now, strict=True))
+        for dc in range(self.tb.dcs):
+            self.tb.set_rate(dc, self.cfg.rate_mbit if shaped else None)
+            if shaped and self.cfg.burst_ms > 0:
+                tighten_burst(self.tb, dc, self.cfg.rate_mbit, self.cfg.burst_ms)
+        self.shaped = shaped
+
+    def probe(self) -> None:
+        """Unshaped cross-DC and intra-DC bandwidth (the unshaped Topology) and the candidate plans."""
+        self.set_shaped(False)
+        self.info["unshaped_wan_mbit"] = measure_throughput(self.tb, 0, 1, seconds=PROBE_S).mbit
+        self.info["intra_mbit"] = measure_throughput(self.tb, 0, 0, seconds=PROBE_S).mbit
+        self.candidates = bp.candidate_plans(self.topology(shaped=True), self.cfg.model.num_experts)
+        self.say(f"WAN unshaped {self.info['unshaped_wan_mbit']:.0f} Mbit/s, intra-DC {self.info['intra_mbit']:.0f} "
+                 f"Mbit/s (measured); shaped: {self.cfg.rate_text} per DC uplink; HybridEP candidates: "
+                 + ", ".join(p.label for p in self.candidates))
+
+    def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        self.events += request.get("events", [])
+        if op == "next":
+            if not self.candidates:
+                self.probe()
+                self.set_shaped(True)
+                m = self.cfg.model  # EP's all-to-all of each point, bytes per rank
+                sizes = [p["tokens"] * m.topk * m.hidden_size * bp.FP32 for p in self.cfg.points]
+                return {"probe": {"sizes": sizes, "repeats": PROBE_REPEATS}}
+            self.set_shaped(False)
+            if not self.queue:
+                return {"done": True}
+            self.current = self.queue.pop(0)
+            point, system = self.current
+            order: dict[str, Any] = {"system": system, "point": self.cfg.points[point],
+                                     "warmup": self.cfg.warmup, "iters": self.cfg.iters}
+            if system == "hybridep":  # EP ran first at this point: its calibration feeds the planner
+                order["plans"] = [self.choose_plan(point).to_dict()]
+            return order
+        if op == "shape":
+            assert self.current is not None
+            self.set_shaped(True)
+            return {"measure": [0] if self.current[1] == "hybridep" else [None]}
+        raise BenchError(f"control: unknown request {request!r} from the rank 0 worker")
+
+    def topology(self, shaped: bool) -> Any:
+        wan = self.cfg.rate_mbit * TCP_GOODPUT_FRACTION if shaped else self.info["unshaped_wan_mbit"]
+        return bp.testbed_topology(self.cfg.dcs, self.cfg.ranks_per_dc, wan, self.info["intra_mbit"])
+
+    def workload(self, point: dict[str, int], events: list[dict[str, Any]]) -> Any:
+        """Workload of a point, fed with EP's unshaped compute timings (per step, all layers)."""
+        e = next(e for e in events if e["event"] == "point" and e["phase"] == "calibrate" and e["system"] == "ep"
+                 and e["point"] == point["index"])
+        r = e["ranks"]
+        calib = bp.Calibration(r["t_pre"], r["expert_fwd"], r["expert_rows"])
+        return calib.workload(self.cfg.model, point["tokens"], point["seq"])
+
+    def choose_plan(self, point: int) -> Plan:
+        """The planner's HybridEP plan for this point, from EP's calibration of it."""
+        result = bp.plan_for_point(self.topology(shaped=True), self.workload(self.cfg.points[point], self.events),
+                                   self.cfg.world)
+        plan = bp.best_domains_plan(result)
+        self.chosen[point] = plan
+        self.info["chosen"][point], self.info["planner_best"][point] = plan.label, result.best.label
+        return plan
+
+
+def tighten_burst(tb: Testbed, dc: int, mbit: float, burst_ms: float) -> None:
+    """Shrink the HTB bucket of DC dc's uplink (both ends) to burst_ms at the rate (>= 2 frames).
+
+    The testbed's bucket holds >= 70 KB (14 ms at 40 Mbit/s): after every idle gap (compute) the next
+    collective's first 70 KB pass at veth speed, so the small all-to-alls of the low points ran almost
+    unshaped. A real WAN link banks no idle time. The testbed has no burst setting (reported), so this
+    changes its HTB class in place after each set_rate()."""
+    burst = max(int(mbit * 1e6 / 8 * burst_ms / 1e3), 2 * 1514)
+    rate = f"{round(mbit * 1000)}kbit"
+    for ns, dev in tb._ends(dc):  # noqa: SLF001 - see the docstring
+        sh(["tc", "-n", ns, "class", "change", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate,
+            "ceil", rate, "burst", str(burst), "cburst", str(burst), "quantum", "1514"])
