@@ -1,19 +1,25 @@
 """Tier (b): our cost model of one training iteration under a plan.
 
-Beyond the paper's stream model (paper_model.py) it counts, per MoE layer:
-- four token all-to-alls per micro-batch (dispatch + combine forward, their transposes backward) on the
-  rails, with alpha-beta links at every level and uplink contention (network.py);
+Beyond the paper's stream model (paper_model.py) it counts, per MoE layer and micro-batch:
+- four token all-to-alls (dispatch + combine forward, their transposes backward) on the rails, with
+  alpha-beta links at every level and uplink contention (network.py);
 - expert compute on the rank that actually computes each token, so skewed routing shows (a hot
   expert's load is split over its domain's copies under HybridEP, not under plain EP);
-- once per iteration: the expert all-gather in the domain (compressed bytes incl. indices), hidden
-  behind the compute before the experts (T_pre) as in the paper; after the backward the gradients
-  of borrowed experts go back to their owners (ring reduce-scatter, optionally compressed), the
-  shared expert of shared+residual compression is refreshed if the codec's rule asks for it (an
-  all-reduce over the EP group, amortised per iteration), and expert gradients are all-reduced
-  over the expert data-parallel replicas of the EP group, all hidden behind the backward of the
-  layer's non-expert part (2 T_pre) where they fit;
-- for the replicated plan (EP inside each DC, experts in every DC): no gathers, a gradient all-reduce
+- the expert all-gather in the domain (compressed bytes incl. indices), hidden behind the compute
+  before the experts (T_pre) where it fits; the runtime gathers in every micro-batch, and for
+  micro-batches after the first, layer 0's gather starts only at its MoE block (nothing to hide
+  behind). The all-to-alls it also overlaps are not counted as cover (they may share its links);
+- the gradient return of borrowed experts to their owners, blocking, in every micro-batch's
+  backward (runtime/migration.py: a reduce-scatter ring, or an all-to-all of top-k payloads when
+  gradients are compressed);
+- domains with S > 1 and a refreshed shared expert: one all-reduce per layer over the EP group
+  (amortised per step), blocking, before that layer's first gather of the step;
+- once per iteration after the backward: one all-reduce of all expert gradients over the expert
+  data-parallel replicas (Megatron's finalize_model_grads; DDP is built with
+  overlap_grad_reduce=False, so it is exposed);
+- for the replicated plan (EP inside each DC, experts in every DC): no gathers, that all-reduce
   over all DCs, and the memory of full expert replicas with their optimizer state.
+This is the closed form of the simulator's ``runtime`` schedule (sim/schedule.py).
 
 Costs that every candidate pays alike (dense-parameter gradient all-reduce, the optimizer step) are
 left out: they do not change the choice.
@@ -82,7 +88,8 @@ class CostBreakdown:
     model: str                              # "ours" or "paper"
     total: float                            # seconds per iteration
     phases: dict[str, float]                # exposed seconds per iteration (sum = total)
-    raw: dict[str, float]                   # seconds of one occurrence before overlap (per layer)
+    raw: dict[str, float]                   # seconds of one occurrence before overlap (per layer and
+    #   micro-batch; expert_grad_allreduce: the one all-reduce per iteration)
     levels: tuple[LevelBreakdown, ...] = ()
     memory: MemoryBreakdown | None = None
     notes: tuple[str, ...] = field(default=())
@@ -181,42 +188,44 @@ class CostModel:
         ag = rs = shared = zero
         if plan.kind == "domains":
             own = E // G
-            dom = domain_family(lay, S_world)
-            ag = net.ring(dom, (S - 1) * own * w.expert_wire_bytes, S - 1)
-            rs = net.ring(dom, (S - 1) * own * w.grad_wire_bytes, S - 1)
-            if G > 1 and w.shared_sync_bytes:  # the shared expert is the mean over the whole EP group
-                ep_group = domain_family(lay, lay.extent)
-                shared = net.ring(ep_group, 2 * (G - 1) / G * w.shared_sync_bytes, 2 * (G - 1))
+            if S > 1:
+                dom = domain_family(lay, S_world)
+                ag = net.ring(dom, (S - 1) * own * w.expert_wire_bytes, S - 1)
+                if w.grad_compression_ratio > 1:  # top-k payloads by all_to_all in the domain
+                    rs = net.a2a(dom, own * w.grad_wire_bytes)
+                else:
+                    rs = net.ring(dom, (S - 1) * own * w.grad_wire_bytes, S - 1)
+                if w.shared_sync_bytes:  # the shared expert is the mean over the whole EP group
+                    ep_group = domain_family(lay, lay.extent)
+                    shared = net.ring(ep_group, 2 * (G - 1) / G * w.shared_sync_bytes, 2 * (G - 1))
             fam, k = replica_family(self.topology, lay), lay.num_groups
         else:
             own = E // plan.rail_size
             fam, k = dc_replica_family(self.topology), self.topology.level_counts[0]
-        grad_bytes = own * w.expert_params * w.grad_bytes
+        grad_bytes = own * w.expert_params * w.grad_bytes * Lm  # one bucket: every MoE layer's expert grads
         allreduce = net.ring(fam, 2 * (k - 1) / k * grad_bytes, 2 * (k - 1)) if k > 1 else zero
 
-        # overlap: the gather hides behind T_pre of the first micro-batch; the gradient traffic behind
-        # the backward of the layer's non-expert part (2 T_pre), in the order it is issued. The shared
-        # expert's refresh runs between the optimizer step and the encode: nothing to hide behind.
-        window = 2 * t_pre
-        exposed_rs = max(0.0, rs.seconds - window)
-        exposed_ar = max(0.0, rs.seconds + allreduce.seconds - window) - exposed_rs
+        # overlap as the runtime schedules it (module doc): only the gather hides, behind T_pre, except
+        # layer 0's gather in micro-batches after the first
+        hidden = max(0.0, ag.seconds - t_pre)
+        gathers = Lm * hidden + (m - 1) * ((Lm - 1) * hidden + ag.seconds)
         phases = {
             "pre_compute": 3 * t_pre * Lm * m,
             "expert_compute": 3 * expert_fwd * m,
             "token_a2a_fwd": 2 * a2a_total * m,
             "token_a2a_bwd": 2 * a2a_total * m,
-            "expert_allgather": Lm * max(0.0, ag.seconds - t_pre),
-            "grad_return": Lm * exposed_rs,
+            "expert_allgather": gathers,
+            "grad_return": Lm * m * rs.seconds,
             "shared_sync": Lm * shared.seconds,
-            "expert_grad_allreduce": Lm * exposed_ar,
+            "expert_grad_allreduce": allreduce.seconds,
         }
         raw = {"t_pre": t_pre, "expert_fwd": expert_fwd / Lm, "a2a": a2a_total / Lm,
                "expert_allgather": ag.seconds, "grad_return": rs.seconds, "shared_sync": shared.seconds,
                "expert_grad_allreduce": allreduce.seconds}
 
         occurrences = [("token_a2a", p, 4 * m * per_layer) for p in a2a_layers] + [
-            ("expert_allgather", ag, Lm), ("grad_return", rs, Lm), ("shared_sync", shared, Lm),
-            ("expert_grad_allreduce", allreduce, Lm)]
+            ("expert_allgather", ag, Lm * m), ("grad_return", rs, Lm * m), ("shared_sync", shared, Lm),
+            ("expert_grad_allreduce", allreduce, 1)]
         levels = []
         for lvl, lv in enumerate(self.topology.levels):
             secs: dict[str, float] = {}

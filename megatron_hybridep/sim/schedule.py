@@ -22,7 +22,8 @@
 Not modelled: the codec's encode/decode compute (fused with the optimizer step / the expert GEMM).
 
 ``gather="iteration"`` models a runtime that keeps gathered copies for all micro-batches and
-returns their gradients once (what the tier-b cost model assumes). ``paper`` is the paper's stream
+returns their gradients once (a runtime we do not have; tier b, plan/cost.py, is the closed form of
+``runtime``). ``paper`` is the paper's stream
 model as a schedule: layer l's gather starts with layer l's T_pre and is waited for before the
 dispatch (T = max(T_pre, AG) + 2 A2A), once per iteration.
 """

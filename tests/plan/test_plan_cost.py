@@ -245,13 +245,53 @@ def test_compression_shrinks_the_gather_by_the_byte_ratio():
     assert refreshed.total > comp.total
 
 
-def test_micro_batches_repeat_tokens_not_gathers():
+def test_micro_batches_repeat_tokens_gathers_and_returns():
+    """The runtime gathers and returns gradients in every micro-batch; layer 0's gather in later
+    micro-batches starts at its MoE block, so it has no T_pre to hide behind."""
     topo = paper_topo(2, 8)
     plan = Plan.grid((2, 8), (2, 1), 32)
     one = CostModel(topo, workload(num_experts=32)).evaluate(plan)
     four = CostModel(topo, workload(num_experts=32, micro_batches=4)).evaluate(plan)
+    Lm, ag, t_pre = workload(num_experts=32).num_moe_layers, one.raw["expert_allgather"], one.raw["t_pre"]
     assert four.phases["token_a2a_fwd"] == pytest.approx(4 * one.phases["token_a2a_fwd"])
-    assert four.phases["expert_allgather"] == pytest.approx(one.phases["expert_allgather"])
+    assert one.phases["grad_return"] > 0
+    assert four.phases["grad_return"] == pytest.approx(4 * one.phases["grad_return"])
+    hidden = max(0.0, ag - t_pre)
+    assert four.phases["expert_allgather"] == pytest.approx(4 * Lm * hidden + 3 * (ag - hidden))
+    assert four.phases["expert_grad_allreduce"] == one.phases["expert_grad_allreduce"]
+
+
+def test_gradient_traffic_is_exposed_as_the_runtime_blocks_on_it():
+    """Gradient return and the expert data-parallel all-reduce are blocking in the runtime (the
+    return in the backward, finalize_model_grads without overlap_grad_reduce): all of it counts."""
+    topo = paper_topo(2, 8)
+    model = CostModel(topo, workload(num_experts=32))
+    hyb = model.evaluate(Plan.grid((2, 8), (2, 1), 32))
+    assert hyb.raw["grad_return"] > 0
+    assert hyb.phases["grad_return"] == pytest.approx(3 * hyb.raw["grad_return"])
+    rep = model.evaluate(Plan.replicated((2, 8), 32))
+    assert rep.raw["expert_grad_allreduce"] > 0
+    assert rep.phases["expert_grad_allreduce"] == rep.raw["expert_grad_allreduce"]
+
+
+def test_expert_grad_allreduce_is_one_bucket_for_all_layers():
+    """Megatron reduces all expert gradients in one call: latency once, not once per layer."""
+    topo = Topology((Level("dc", 2, 1e9, 1000.0), Level("gpu", 4, 1e9, 0.0)))  # bandwidth ~ free
+    for layers in (1, 8):
+        w = workload(num_experts=8, num_moe_layers=layers, num_layers=layers)
+        rep = CostModel(topo, w).evaluate(Plan.replicated((2, 4), 8))
+        assert rep.phases["expert_grad_allreduce"] == pytest.approx(2 * 1000e-6, rel=1e-3)
+
+
+def test_plain_ep_pays_no_migration_or_shared_sync():
+    topo = paper_topo(2, 8)
+    w = workload(num_experts=32, compression_ratio=50.0, grad_compression_ratio=50.0,
+                 shared_sync_bytes_per_layer=1e6)
+    ep = CostModel(topo, w).evaluate(Plan.grid((2, 8), (1, 1), 32))
+    for ph in ("expert_allgather", "grad_return", "shared_sync"):
+        assert ep.phases[ph] == 0 and ep.raw[ph] == 0
+    hyb = CostModel(topo, w).evaluate(Plan.grid((2, 8), (2, 1), 32))
+    assert hyb.phases["shared_sync"] > 0
 
 
 def test_world_larger_than_ep_group_adds_expert_data_parallel_allreduce():

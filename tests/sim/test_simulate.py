@@ -179,3 +179,20 @@ def test_shared_expert_refresh_once_per_layer_per_step():
     assert r.ops["shared_sync"].occurrences == 3
     assert r.phases["shared_sync"] > 0
     assert "shared_sync" not in simulate(topo, w, domains(topo, 4, (1, 1), 8)).ops  # plain EP: no codec
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("comp", [1.0, 20.0])
+@pytest.mark.parametrize("sizes", [(1, 1), (2, 1), (2, 2), "replicated"])
+def test_tier_b_is_the_closed_form_of_the_runtime_schedule(sizes, comp, m):
+    """With no latency, intra-DC links ~free (so the all-to-alls a gather also overlaps take no time
+    and nothing shares a link), tier b (plan/cost.py) and the simulator agree per phase."""
+    topo = two_level(2, 2, wan=0.05, lan=1e6)
+    w = workload(8, micro_batches=m, compression_ratio=comp, grad_compression_ratio=comp,
+                 shared_sync_bytes_per_layer=1e5 if comp > 1 else 0.0, t_pre_ms=0.5)
+    plan = Plan.replicated((2, 2), 8, ("dc", "gpu")) if sizes == "replicated" else domains(topo, 4, sizes, 8)
+    sim = simulate(topo, w, plan)
+    tb = CostModel(topo, w).evaluate(plan)
+    assert tb.total > 0
+    for ph in PHASES:
+        assert sim.phases[ph] == pytest.approx(tb.phases[ph], rel=1e-6, abs=1e-9), ph
