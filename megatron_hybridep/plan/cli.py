@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--no-replicated", action="store_true", help="leave out the replicated-experts plan")
     how.add_argument("--memory-limit-gb", type=float, metavar="GB",
                      help="skip plans whose expert memory per rank exceeds this")
+    how.add_argument("--replica-budget", type=int, metavar="N",
+                     help="hot-expert replicas a rank may hold per MoE layer, considered under skewed routing "
+                          "(default: the experts a rank owns; 0: none)")
     how.add_argument("--top", type=int, metavar="N", help="print only the N cheapest candidates per EP size")
     how.add_argument("--json", action="store_true", help="print the full result as JSON instead of tables")
     how.add_argument("--explain", action="store_true",
@@ -120,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
             raise PlanError("--skew: needs one EP size; fix: pass --ep-size G")
         workload = _workload(args, ep if isinstance(ep, int) else None, topology)
         limit = args.memory_limit_gb * 1e9 if args.memory_limit_gb is not None else None
-        kw = dict(cost=args.cost, include_replicated=not args.no_replicated, memory_limit_bytes=limit)
+        kw = dict(cost=args.cost, include_replicated=not args.no_replicated, memory_limit_bytes=limit,
+                  replica_budget=args.replica_budget)
         if ep == "all":
             results = choose_plan_all_ep_sizes(topology, workload, **kw)
         else:
@@ -176,6 +180,13 @@ def explain(r: PlanningResult) -> str:
         lines.append(f"  memory: {bytes_human(chosen.cost.memory.borrowed_weights)} of borrowed expert copies "
                      f"per rank ({bytes_human(chosen.cost.memory.total)} expert memory in all)")
     lines += [f"  note: {n}" for n in chosen.cost.notes]
+    if chosen.plan.replicas:
+        from megatron_hybridep.plan.cost import CostModel
+        from megatron_hybridep.plan.hot import explain as explain_replicas
+
+        lines.append(f"  hot-expert replicas (budget {chosen.plan.replicas.max_per_rank} per rank; a rank computes "
+                     "its own tokens for these experts):")
+        lines += ["    " + x for x in explain_replicas(CostModel(r.topology, w), chosen.plan)]
     return "\n".join(lines)
 
 
@@ -207,8 +218,8 @@ def _row(r: PlanningResult, c: Candidate, wan: str) -> list[str]:
     return [mark, c.plan.label, f"{c.plan.domain_size} x {c.plan.rail_size}", seconds_human(c.cost.total),
             f"{r.speedup(c):.2f}x", seconds_human(ph.get("pre_compute", 0) + ph.get("expert_compute", 0)),
             seconds_human(ph.get("token_a2a_fwd", 0) + ph.get("token_a2a_bwd", 0)),
-            seconds_human(ph.get("expert_allgather", 0) + ph.get("shared_sync", 0)),
-            seconds_human(ph.get("grad_return", 0)),
+            seconds_human(ph.get("expert_allgather", 0) + ph.get("shared_sync", 0) + ph.get("replica_weights", 0)),
+            seconds_human(ph.get("grad_return", 0) + ph.get("replica_grad_return", 0)),
             seconds_human(ph.get("expert_grad_allreduce", 0)),
             bytes_human(lv.uplink_bytes) if lv and r.cost_model == "ours" else "-",
             bytes_human(mem)]

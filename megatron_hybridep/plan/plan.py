@@ -14,6 +14,9 @@ kind="replicated" is what Megatron users run today across DCs: EP inside each DC
 and every expert replicated in every DC (the domain is the same local index in all DCs, and its
 members all-reduce gradients instead of all-gathering weights). It uses the grid with
 S = (n_dc, 1, ..., 1); its expert layout is Megatron's for EP = rail size.
+
+``replicas`` (kind="domains" only, see replicas.py) adds hot-expert copies on top of the grid: a rank
+holding a replica of expert e computes its own tokens for e, so ``compute_rank(r, e) = r`` there.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ import numpy as np
 
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.grid import coord_array, coords_of, group_ranks, place_values, rank_of
+from megatron_hybridep.plan.replicas import Replicas
 
-__all__ = ["PlanError", "Plan", "KINDS", "default_level_names"]
+__all__ = ["PlanError", "Plan", "Replicas", "KINDS", "default_level_names"]
 
 KINDS = ("domains", "replicated")
 FORMAT = "hybridep-plan/1"
@@ -52,10 +56,13 @@ class Plan:
     num_experts: int
     predicted: dict[str, float] = field(default_factory=dict, compare=False)
     link_bytes: dict[str, float] = field(default_factory=dict, compare=False)
+    replicas: Replicas = field(default_factory=Replicas)
 
     def __post_init__(self) -> None:
         for name in ("level_names", "level_counts", "domain_sizes"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        if not isinstance(self.replicas, Replicas):
+            object.__setattr__(self, "replicas", Replicas(tuple(self.replicas)))
         object.__setattr__(self, "predicted", {str(k): float(v) for k, v in dict(self.predicted).items()})
         object.__setattr__(self, "link_bytes", {str(k): float(v) for k, v in dict(self.link_bytes).items()})
         self._check()
@@ -110,6 +117,21 @@ class Plan:
         if E % G:
             raise PlanError(f"plan.num_experts: {E} experts cannot be split evenly over ep_size={G} ranks; "
                             f"fix: use a number of experts divisible by {G} or a smaller EP size")
+        if self.replicas:
+            if self.kind != "domains":
+                raise PlanError("plan.replicas: hot-expert replicas need a 'domains' plan; fix: drop them or "
+                                "use Plan.grid(...).with_replicas(...)")
+            self.replicas.check(E, self.ep_size, lambda r: self._domain_held(r), self.owner_of_expert)
+
+    def with_replicas(self, pairs: Sequence[tuple[int, int]], max_per_rank: int | None = None) -> Plan:
+        """This plan plus hot-expert replicas ``(expert, ep_rank)`` (predictions are dropped)."""
+        return Plan(self.kind, self.level_names, self.level_counts, self.domain_sizes, self.num_experts,
+                    replicas=Replicas(tuple(pairs), max_per_rank))
+
+    @property
+    def base(self) -> Plan:
+        """The same domains and rails without replicas."""
+        return self.with_replicas(()) if self.replicas else self
 
     # ---- sizes ------------------------------------------------------------------------------------
     @property
@@ -138,9 +160,10 @@ class Plan:
     def label(self) -> str:
         if self.kind == "replicated":
             return f"replicated ({self.level_names[0]} x{self.level_counts[0]}, EP={self.rail_size})"
+        hot = f" +{len(self.replicas)} hot" if self.replicas else ""
         if self.domain_size == 1:
-            return "ep (S=1)"
-        return "domains " + " ".join(f"{n}{s}" for n, s in zip(self.level_names, self.domain_sizes, strict=True))
+            return "ep (S=1)" + hot
+        return "domains " + " ".join(f"{n}{s}" for n, s in zip(self.level_names, self.domain_sizes, strict=True)) + hot
 
     # ---- coordinates -------------------------------------------------------------------------------
     def coords(self, rank: int) -> tuple[int, ...]:
@@ -204,14 +227,21 @@ class Plan:
         k = self.num_experts // self.ep_size
         return tuple(range(rank * k, (rank + 1) * k))
 
-    def held_experts(self, rank: int) -> tuple[int, ...]:
-        """Experts whose weights this rank holds during the step: owned plus borrowed from its domain."""
+    def _domain_held(self, rank: int) -> tuple[int, ...]:
         k = self.num_experts // self.megatron_ep_size
         owners = set(self.domain_of(rank))
         return tuple(e for e in range(self.num_experts) if e // k in owners)
 
+    def held_experts(self, rank: int) -> tuple[int, ...]:
+        """Experts whose weights this rank holds during the step: owned, borrowed from its domain and
+        hot-expert replicas."""
+        return tuple(sorted(set(self._domain_held(rank)) | set(self.replicas.experts_on(rank))))
+
     def compute_rank(self, src_rank: int, expert: int) -> int:
-        """Rank that computes src_rank's tokens routed to `expert`: domain_of(owner) ∩ rail_of(src)."""
+        """Rank that computes src_rank's tokens routed to `expert`: src_rank itself if it holds a
+        replica of it, else domain_of(owner) ∩ rail_of(src)."""
+        if (expert, src_rank) in self.replicas.pair_set:
+            return src_rank
         owner = self.coords(self.owner_of_expert(expert))
         src = self.coords(src_rank)
         return rank_of([(o // s) * s + c % s for o, c, s in zip(owner, src, self.domain_sizes, strict=True)],
@@ -225,7 +255,10 @@ class Plan:
         sc = self._coords                                     # (G, L)
         s = np.asarray(self.domain_sizes)
         c = (oc[None, :, :] // s) * s + sc[:, None, :] % s    # (G, E, L)
-        return (c * np.asarray(place_values(self.level_counts))).sum(-1)
+        out = (c * np.asarray(place_values(self.level_counts))).sum(-1)
+        for e, r in self.replicas.pairs:
+            out[r, e] = r
+        return out
 
     # ---- checks ------------------------------------------------------------------------------------
     def _check_rank(self, rank: int) -> None:
@@ -264,6 +297,7 @@ class Plan:
             "ranks": [{"rank": r, "coords": c, "domain": d, "offset": o} for r, (c, d, o) in enumerate(zip(
                 self._coords.tolist(), self._domain_keys.tolist(), (self._coords % self.domain_sizes).tolist(),
                 strict=True))],
+            **({"replicas": self.replicas.to_dict()} if self.replicas else {}),
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -277,8 +311,9 @@ class Plan:
             raise PlanError(f"{source}.format: expected {FORMAT!r}, got {d.get('format')!r}; "
                             "fix: regenerate the plan with 'hybridep plan --out'")
         try:
+            replicas = Replicas.from_dict(d.get("replicas"), f"{source}.replicas")
             plan = cls(d["kind"], tuple(d["level_names"]), tuple(d["level_counts"]), tuple(d["domain_sizes"]),
-                       d["num_experts"], d.get("predicted", {}), d.get("link_bytes", {}))
+                       d["num_experts"], d.get("predicted", {}), d.get("link_bytes", {}), replicas)
         except KeyError as exc:
             raise PlanError(f"{source}.{exc.args[0]}: missing; fix: regenerate the plan with "
                             "'hybridep plan --out'") from None

@@ -1,7 +1,8 @@
 """Enumerate every feasible plan for an EP group, cost each one, return the best and all candidates.
 
 Feasible plans: every combination of a divisor S_l of each level's count (S = 1 everywhere is plain
-EP), plus the replicated plan when the EP group spans more than one DC. A 1000-DC x 8-GPU world
+EP), plus the replicated plan when the EP group spans more than one DC, plus, when routing counts are
+known (skew), each domains plan with hot-expert replicas (plan/hot.py) where they pay. A 1000-DC x 8-GPU world
 with 256 experts plans in milliseconds (benchmarks/plan_time.py): the cost model is closed-form
 per level and only skewed routing touches (G x E) arrays.
 """
@@ -17,6 +18,8 @@ from typing import Any
 from megatron_hybridep.plan.cost import CostBreakdown, CostModel
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.grid import divisors
+from megatron_hybridep.plan.hot import evaluate as evaluate_plan
+from megatron_hybridep.plan.hot import hot_plan
 from megatron_hybridep.plan.paper_model import PaperModel, PaperResult
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import EPLayout, Topology
@@ -48,7 +51,8 @@ class PlanningResult:
 
     @property
     def plain_ep(self) -> Candidate:
-        return next(c for c in self.candidates if c.plan.kind == "domains" and c.plan.domain_size == 1)
+        return next(c for c in self.candidates
+                    if c.plan.kind == "domains" and c.plan.domain_size == 1 and not c.plan.replicas)
 
     def speedup(self, cand: Candidate) -> float:
         """Plain EP's predicted time over this candidate's."""
@@ -81,9 +85,19 @@ def enumerate_plans(layout: EPLayout, num_experts: int, include_replicated: bool
     return plans
 
 
+def with_hot_plans(model: CostModel, plans: list[Plan], replica_budget: int | None = None) -> list[Plan]:
+    """``plans`` plus a hot-replica variant of each domains plan where replicas pay (skewed routing)."""
+    if replica_budget == 0 or model.workload.routing_counts is None:
+        return plans
+    hot = [h[0] for p in plans if (h := hot_plan(model, p, replica_budget)) is not None]
+    return plans + hot
+
+
 def choose_plan(topology: Topology, workload: Workload, ep_size: int | None = None, *, cost: str = "ours",
-                include_replicated: bool = True, memory_limit_bytes: float | None = None) -> PlanningResult:
-    """Plan one EP group: ``ep_size`` defaults to the largest that fits the levels and the experts."""
+                include_replicated: bool = True, memory_limit_bytes: float | None = None,
+                replica_budget: int | None = None) -> PlanningResult:
+    """Plan one EP group: ``ep_size`` defaults to the largest that fits the levels and the experts.
+    ``replica_budget``: hot-expert replicas per rank (None: the experts a rank owns; 0: none)."""
     if cost not in COST_MODELS:
         raise PlanError(f"cost: unknown cost model {cost!r}; fix: use one of {', '.join(COST_MODELS)}")
     if ep_size is None:
@@ -94,9 +108,11 @@ def choose_plan(topology: Topology, workload: Workload, ep_size: int | None = No
     paper = PaperModel(topology, workload)
     model = ours if cost == "ours" else paper
     plans = enumerate_plans(layout, workload.num_experts, include_replicated and cost == "ours")
+    if cost == "ours":
+        plans = with_hot_plans(ours, plans, replica_budget)
     cands = []
     for plan in plans:
-        c = model.evaluate(plan)
+        c = evaluate_plan(ours, plan) if cost == "ours" else model.evaluate(plan)
         mem = c.memory if c.memory is not None else ours.memory(plan, layout)
         fits = memory_limit_bytes is None or mem.total <= memory_limit_bytes
         if c.memory is None:
@@ -142,17 +158,19 @@ def replan(topology: Topology, workload: Workload, current: Plan, *, horizon_ite
     switch only when the predicted gain over ``horizon_iterations`` beats the switch cost.
 
     ``candidates``: the plans the runtime has prebuilt groups for (default: every feasible plan of the
-    current EP group). ``switch_seconds`` default: one exact (uncompressed) expert gather of the new
-    plan in every MoE layer, since borrowed copies are rebuilt from scratch after a switch."""
+    current EP group, with hot-replica variants under skewed routing). ``switch_seconds`` default: one
+    exact (uncompressed) expert gather of the new plan in every MoE layer, since borrowed copies are
+    rebuilt from scratch after a switch."""
     if horizon_iterations < 1:
         raise PlanError(f"horizon_iterations: must be >= 1, got {horizon_iterations}; fix: pass the number "
                         "of iterations until the next re-evaluation")
     model = CostModel(topology, workload)
     layout = model.layout(current.ep_size)
-    pool = list(candidates) if candidates is not None else enumerate_plans(layout, current.num_experts)
+    pool = (list(candidates) if candidates is not None
+            else with_hot_plans(model, enumerate_plans(layout, current.num_experts)))
     if current not in pool:
         pool.append(current)
-    costs = {p: model.evaluate(p) for p in pool}
+    costs = {p: evaluate_plan(model, p) for p in pool}
     best = min(pool, key=lambda p: (costs[p].total, p.domain_size, p.kind))
     cur_t, best_t = costs[current].total, costs[best].total
     if switch_seconds is None:

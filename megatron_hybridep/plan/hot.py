@@ -1,0 +1,191 @@
+"""Skew-aware plans: replicate only the hottest experts to the ranks that send them the most tokens.
+
+Under skewed routing a few experts get most tokens. Instead of gathering whole domains, a rank can
+hold a *replica* of one hot expert and compute its own tokens for it (plan/replicas.py): those
+tokens stop crossing the link to the expert's compute rank (dispatch + combine, forward and
+backward), and the rank pays for the expert's weights (exact) and the return of its gradient, once
+per micro-batch. ``place_replicas`` is the placement (a pure function, loads -> pairs, like
+DeepSeek's EPLB); ``hot_plan`` prices it per link, then checks prefixes with the full cost model
+(``evaluate``, which adds the replica exchange to cost.py's breakdown); the planner adds the result
+as a candidate when routing counts are known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_hybridep.plan.cost import CostBreakdown, CostModel, LevelBreakdown, bytes_human, seconds_human
+from megatron_hybridep.plan.grid import coord_array
+from megatron_hybridep.plan.plan import Plan
+from megatron_hybridep.plan.topology import EPLayout
+
+REPLICA_PHASES = ("replica_weights", "replica_grad_return")
+
+
+def place_replicas(loads: np.ndarray, holds: np.ndarray, token_seconds: np.ndarray,
+                   replica_seconds: np.ndarray, max_per_rank: int) -> list[tuple[int, int]]:
+    """Hot-expert replicas ``(expert, rank)``, most valuable first.
+
+    loads[r, e]: tokens rank r routes to expert e; holds[r, e]: r already has e (owner or domain);
+    token_seconds[r, e]: time saved per token of r for e computed at r instead of remotely;
+    replica_seconds[r, e]: time to ship e's weights to r and return its gradient. A replica is
+    worth ``loads * token_seconds - replica_seconds``; take positive ones, best first, at most
+    ``max_per_rank`` per rank.
+
+    Example: 2 ranks in 2 DCs, expert 0 on rank 0 is hot, expert 2 on rank 1 is cold;
+    a token costs 1 ms to move, an expert 20 ms:
+
+    >>> loads = np.array([[900., 10, 60, 30], [700, 40, 20, 40]])
+    >>> holds = np.array([[1, 1, 0, 0], [0, 0, 1, 1]], dtype=bool)
+    >>> tok = np.where(holds, 0.0, 1e-3); rep = np.where(holds, 0.0, 20e-3)
+    >>> place_replicas(loads, holds, tok, rep, max_per_rank=1)
+    [(0, 1), (2, 0)]
+
+    Rank 1 gets expert 0 (700 ms of token traffic vs 20 ms), rank 0 expert 2 (60 vs 20); with a
+    budget of 1 per rank rank 0 cannot also take expert 3 (30 vs 20 ms).
+    """
+    gain = np.asarray(loads, float) * np.asarray(token_seconds, float) - np.asarray(replica_seconds, float)
+    gain = np.where(np.asarray(holds, bool), -np.inf, gain)
+    taken = np.zeros(gain.shape[0], dtype=np.int64)
+    out = []
+    for flat in np.argsort(-gain, axis=None, kind="stable"):
+        r, e = divmod(int(flat), gain.shape[1])
+        if not gain[r, e] > 0:
+            break
+        if taken[r] < max_per_rank:
+            taken[r] += 1
+            out.append((e, r))
+    return out
+
+
+# ---- prices ----------------------------------------------------------------------------------------------
+def _pair_prices(model: CostModel, lay: EPLayout, src: np.ndarray, dst: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(seconds per byte, latency, crossing world level or -1) between EP-local ranks src -> dst:
+    the coarsest differing level's link, or its uplink if slower (per-link view, no contention)."""
+    net = model.network
+    cs, cd = coord_array(src, lay.extent), coord_array(dst, lay.extent)
+    differs = cs != cd
+    level = np.where(differs.any(axis=1), np.argmax(differs, axis=1), -1)
+    bw = np.array([min(b, u if u is not None else math.inf) for b, u in zip(net.bw, net.uplink, strict=True)])
+    lat = np.asarray(net.lat)
+    per_byte = np.where(level >= 0, 1.0 / bw[level], 0.0)
+    return per_byte, np.where(level >= 0, lat[level], 0.0), level
+
+
+@dataclass(frozen=True)
+class ReplicaPrices:
+    """Per (rank, expert), per MoE layer and iteration: what a replica saves and costs."""
+
+    loads: np.ndarray            # (G, E) tokens per micro-batch
+    holds: np.ndarray            # (G, E) bool
+    token_seconds: np.ndarray    # (G, E) per token
+    replica_seconds: np.ndarray  # (G, E)
+    token_level: np.ndarray      # (G, E) world level tokens cross under the base plan (-1: local)
+
+
+def replica_prices(model: CostModel, base: Plan) -> ReplicaPrices | None:
+    """Prices for ``place_replicas`` from the workload's routing counts (None when balanced)."""
+    w, G, E = model.workload, base.ep_size, base.num_experts
+    routing = w.routing_for(G)
+    if routing is None:
+        return None
+    lay = model.layout(G)
+    loads = routing.mean(axis=0)
+    ranks, experts = np.repeat(np.arange(G), E), np.tile(np.arange(E), G)
+    compute = base.base.compute_ranks().ravel()
+    owners = experts // base.experts_per_rank
+    holds = (compute == ranks).reshape(G, E)
+    tok_pb, _, tok_level = _pair_prices(model, lay, ranks, compute)
+    rep_pb, rep_lat, _ = _pair_prices(model, lay, owners, ranks)
+    m = w.micro_batches
+    token_seconds = 4 * m * w.token_bytes * tok_pb            # dispatch + combine, forward + backward
+    ship = w.expert_bytes + w.expert_params * w.grad_bytes    # exact weights out, exact gradient back
+    replica_seconds = m * (ship * rep_pb + 2 * rep_lat)  # per-link view: hiding is left to evaluate()
+    return ReplicaPrices(loads, holds, token_seconds.reshape(G, E), replica_seconds.reshape(G, E),
+                         tok_level.reshape(G, E))
+
+
+# ---- the cost of a plan with replicas ---------------------------------------------------------------
+def evaluate(model: CostModel, plan: Plan) -> CostBreakdown:
+    """cost.py's breakdown, plus the replica exchange for plans with replicas. Token traffic and
+    expert load already follow ``plan.compute_ranks()`` (replica-aware) when routing counts are
+    given; balanced routing is spelled out as counts so they do. The exchange is exact, once per
+    micro-batch and layer: weights owner -> replica prefetched like the domain gather (hidden behind
+    what T_pre has left after it), the gradient back blocking in the backward pass."""
+    if not plan.replicas:
+        return model.evaluate(plan)
+    w, G, E = model.workload, plan.ep_size, plan.num_experts
+    if w.routing_for(G) is None:
+        model = CostModel(model.topology, w.replace(routing_counts=np.full((G, E), w.tokens * w.top_k / E)))
+    c = model.evaluate(plan)
+    lay = model.layout(G)
+    experts, dst = (np.array(x, dtype=np.int64) for x in zip(*plan.replicas.pairs, strict=True))
+    owners = experts // plan.experts_per_rank
+    ones = np.ones(len(experts))
+    fwd = model.network.flows(lay, owners, dst, ones * w.expert_bytes)
+    bwd = model.network.flows(lay, dst, owners, ones * w.expert_params * w.grad_bytes)
+    count = w.num_moe_layers * w.micro_batches
+    hide = max(0.0, w.t_pre - c.raw["expert_allgather"])  # prefetched like the gather, behind what T_pre has left
+    phases = {**c.phases, "replica_weights": count * max(0.0, fwd.seconds - hide),
+              "replica_grad_return": count * bwd.seconds}
+    raw = {**c.raw, "replica_weights": fwd.seconds, "replica_grad_return": bwd.seconds}
+    levels = tuple(LevelBreakdown(
+        lv.name, lv.link_bytes + count * (fwd.pair_bytes[i] + bwd.pair_bytes[i]),
+        lv.uplink_bytes + count * (fwd.uplink_bytes[i] + bwd.uplink_bytes[i]),
+        {**lv.seconds, **{k: count * p.level_seconds[i] for k, p in zip(REPLICA_PHASES, (fwd, bwd), strict=True)
+                          if p.level_seconds[i] > 0}}) for i, lv in enumerate(c.levels))
+    memory = c.memory
+    if memory is not None:
+        n = max(plan.replicas.per_rank().values()) * w.expert_params * w.num_moe_layers
+        memory = dataclasses.replace(memory, borrowed_weights=memory.borrowed_weights + n * w.weight_bytes,
+                                     borrowed_grads=memory.borrowed_grads + n * w.grad_bytes)
+    notes = c.notes + (f"{len(plan.replicas)} hot-expert replicas: exact weights, exchanged per micro-batch",)
+    return CostBreakdown(c.model, sum(phases.values()), phases, raw, levels, memory, notes)
+
+
+def hot_plan(model: CostModel, base: Plan, max_per_rank: int | None = None) -> tuple[Plan, CostBreakdown] | None:
+    """The base plan plus the replicas ``place_replicas`` picks, if the full cost model agrees that
+    they pay (it also sees contention and expert load): the best of the placement's prefixes of
+    1, 2, 4, ... and all pairs. None when routing is balanced or nothing pays.
+    ``max_per_rank`` defaults to the experts a rank owns (memory of one extra domain member)."""
+    if base.kind != "domains" or base.replicas:
+        return None
+    prices = replica_prices(model, base)
+    if prices is None:
+        return None
+    budget = base.experts_per_rank if max_per_rank is None else max_per_rank
+    pairs = place_replicas(prices.loads, prices.holds, prices.token_seconds, prices.replica_seconds, budget)
+    if not pairs:
+        return None
+    best, best_cost = None, model.evaluate(base)
+    sizes = sorted({len(pairs), *(2 ** i for i in range(int(math.log2(len(pairs))) + 1))})
+    for n in sizes:
+        plan = base.with_replicas(pairs[:n], budget)
+        cost = evaluate(model, plan)
+        if cost.total < best_cost.total:
+            best, best_cost = plan, cost
+    return None if best is None else (best, best_cost)
+
+
+def explain(model: CostModel, plan: Plan) -> list[str]:
+    """One line per replica: its tokens, the link they no longer cross, saved vs paid time."""
+    prices = replica_prices(model, plan.base)
+    if prices is None or not plan.replicas:
+        return []
+    Lm, names = model.workload.num_moe_layers, model.topology.level_names
+    lines = []
+    for e, r in plan.replicas.pairs:
+        lvl = int(prices.token_level[r, e])
+        saved = Lm * prices.loads[r, e] * prices.token_seconds[r, e]
+        paid = Lm * prices.replica_seconds[r, e]
+        lines.append(f"expert {e} -> rank {r} (owner rank {plan.owner_of_expert(e)}): "
+                     f"{prices.loads[r, e]:.0f} tokens/micro-batch stop crossing "
+                     f"{names[lvl] if lvl >= 0 else 'nothing'} "
+                     f"({bytes_human(4 * prices.loads[r, e] * model.workload.token_bytes)} per layer pass); saves "
+                     f"{seconds_human(saved)}, pays {seconds_human(paid)} for weights + gradient per iteration")
+    return lines
