@@ -29,9 +29,10 @@ def _compressed(ctx, ratio, grad_ratio, use_shared, steps):
     ps.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
     model_parallel_cuda_manual_seed(7)
     runtime = setup([Plan.grid((ctx.world_size,), (ctx.world_size,), SPEC.experts)],
-                    migration=MigrationConfig(ratio, grad_ratio, use_shared, shared_refresh_every=0))
+                    migration=MigrationConfig(ratio, grad_ratio, use_shared, shared_refresh_every=0,
+                                              incremental=False))  # fixed copies: identical backward passes
     layer = build_moe_layer(dataclasses.replace(SPEC, dispatcher="hybridep"), ctx.rank, ctx.world_size)
-    gather = layer._plan_state[0][1]
+    gather = layer._plan_state[0].gather
     borrowed = gather.borrowed()
     # The oracle for the copies: encode the peer's true weights with the codec directly.
     w = global_weights(SPEC)
@@ -85,3 +86,65 @@ def test_compressed_gradient_return_loses_nothing_over_steps():
         rel_one = ((one[r]["grad_sum"] - exact1[r]["grad_sum"]).norm() / exact1[r]["grad_sum"].norm()).item()
         assert rel_one > 0.01, "gradient return was not compressed"
         assert rel_many < rel_one / 2, (rel_many, rel_one)  # the dropped part arrives later
+
+
+def _incremental_copies(ctx, incremental, use_shared, ahead=False, numel=64, ratio=8.0, gathers=10):
+    """One expert per rank, a domain of 2: the error of the copy of the peer's expert after each
+    gather (weights fixed), after weights drift, and after a plan switch (drop)."""
+    import torch.distributed as dist
+
+    from megatron_hybridep.runtime.instrument import Stats
+    from megatron_hybridep.runtime.migration import DomainGather, MigrationConfig, SharedExpert
+
+    weights = torch.randn(ctx.world_size, numel, generator=torch.Generator().manual_seed(3))
+    own = torch.nn.Parameter(weights[ctx.rank].clone())
+    shared = SharedExpert(dist.group.WORLD, ctx.world_size, refresh_every=0) if use_shared else None
+    stats = Stats()
+    gather = DomainGather([("weight", own)], dist.group.WORLD, ctx.rank, stats=stats, shared=shared,
+                          config=MigrationConfig(ratio, use_shared=use_shared, incremental=incremental))
+    peer = 1 - ctx.rank
+
+    def error() -> float:
+        return (gather.borrowed()[peer]["weight"].detach() - weights[peer]).abs().max().item()
+
+    fixed = [error() for _ in range(gathers)]
+    drift = torch.randn(weights.shape, generator=torch.Generator().manual_seed(4)) * 1e-3
+    drifting = []
+    for _ in range(gathers):
+        weights += drift
+        with torch.no_grad():
+            own.copy_(weights[ctx.rank])
+        if ahead:  # the runtime's post-optimizer-step encode; a repeated one replaces the first
+            gather.encode_ahead()
+            gather.encode_ahead()
+        drifting.append(error())
+    gather.drop()
+    after_drop = error()
+    return dict(fixed=fixed, drifting=drifting, after_drop=after_drop,
+                wire=stats.bytes_by(phase="expert_gather"), per_gather=gather.bytes_per_rank)
+
+
+@pytest.mark.parametrize("use_shared", [True, False], ids=["shared+residual", "plain-topk"])
+def test_incremental_copies_converge_and_restart_after_a_switch(use_shared):
+    inc = run_ranks(_incremental_copies, 2, True, use_shared, timeout=120)
+    stateless = run_ranks(_incremental_copies, 2, False, use_shared, timeout=120)
+    for r, s in zip(inc, stateless, strict=True):
+        # first gather: both ship top-k against the same base, so the copies agree
+        assert r["fixed"][0] == pytest.approx(s["fixed"][0]) and r["fixed"][0] > 0.05
+        # fixed weights: each gather sends 1/8 of the entries, so 8 gathers ship the whole expert
+        assert all(b <= a for a, b in zip(r["fixed"], r["fixed"][1:], strict=False))
+        assert r["fixed"][7] <= 1e-6  # exact up to the rounding of base + (w - base)
+        assert s["fixed"] == [s["fixed"][0]] * len(s["fixed"])  # stateless never improves
+        # drifting weights: the copy tracks them to the order of the drift, the stateless one does not
+        assert max(r["drifting"]) < 0.01 < min(s["drifting"])
+        # a plan switch drops the copies: the next gather rebuilds from the base like the first
+        assert r["after_drop"] == pytest.approx(r["fixed"][0], rel=0.5) and r["after_drop"] > 0.05
+        # the same bytes per gather either way: the payload size is the codec's
+        assert r["wire"] == s["wire"] == (2 * len(r["fixed"]) + 1) * r["per_gather"]
+
+
+def test_encoding_right_after_the_step_gives_the_same_copies():
+    now = run_ranks(_incremental_copies, 2, True, True, False, timeout=120)
+    ahead = run_ranks(_incremental_copies, 2, True, True, True, timeout=120)
+    for a, b in zip(now, ahead, strict=True):
+        assert a["drifting"] == b["drifting"] and a["wire"] == b["wire"]

@@ -40,6 +40,10 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="optimizer steps between refreshes of the shared expert used by compression (0 = never)")
     g.add_argument("--hybridep-no-shared-expert", action="store_true",
                    help="compress experts as plain top-k, without the shared expert (the paper's ablation)")
+    g.add_argument("--hybridep-residual-base", choices=("copy", "shared"), default="copy",
+                   help="what compressed migration sends the top-k residual against: 'copy' (the copy the peers "
+                        "already hold, seeded from the shared expert; copies converge to the owners' weights) or "
+                        "'shared' (the shared expert every time, the paper's scheme)")
     g.add_argument("--hybridep-throughput-tflops", type=float, default=None,
                    help="achieved TFLOP/s per rank for the cost model (default: 0.05 on CPU, 300 on GPU)")
     g.add_argument("--hybridep-replan-interval", type=int, default=0,

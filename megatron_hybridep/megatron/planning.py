@@ -75,7 +75,8 @@ def migration_from_args(args: argparse.Namespace) -> MigrationConfig:
     return MigrationConfig(compression_ratio=args.hybridep_compression_ratio,
                            grad_compression_ratio=args.hybridep_grad_compression_ratio,
                            use_shared=not args.hybridep_no_shared_expert,
-                           shared_refresh_every=args.hybridep_shared_refresh_interval)
+                           shared_refresh_every=args.hybridep_shared_refresh_interval,
+                           incremental=getattr(args, "hybridep_residual_base", "copy") == "copy")
 
 
 def setup_from_args(args: argparse.Namespace, world_size: int, ep_group: Any = None) -> PlanChoice:

@@ -24,6 +24,7 @@ class GatheringLayer(Protocol):
     def start_gather(self) -> None: ...
     def drop_gather(self) -> None: ...
     def on_step(self, step: int) -> None: ...
+    def encode_ahead(self) -> None: ...
 
 
 class HybridEPRuntime:
@@ -64,10 +65,15 @@ class HybridEPRuntime:
 
     def after_optimizer_step(self) -> None:
         """Parameters are final for the next iteration: advance the step (the shared-expert
-        refresh rule runs on it) and start the first layer's gather."""
+        refresh rule runs on it), encode every layer's compressed experts now (the migration
+        queue: payloads are 1/ratio of the experts, so holding all layers' is cheap) and start
+        the first layer's gather; the others launch one layer ahead of the compute."""
         self.step += 1
         for layer in self.layers:
             layer.on_step(self.step)
+        if self.migration.compresses_weights:
+            for layer in self.layers:
+                layer.encode_ahead()
         if self.prefetch and self.layers:
             self.layers[0].start_gather()
 

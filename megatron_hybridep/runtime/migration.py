@@ -6,11 +6,20 @@ it overlaps attention and the previous layer); ``borrowed()`` waits and returns 
 copies: their gradients flow back through the transpose into the owners' parameters, so Megatron's
 DDP hooks and optimizer see exactly what plain EP would give them.
 
-Compression (``MigrationConfig``): owners encode top-k(expert - shared) with the codec; borrowers
-rebuild shared + residual. Owners always compute with their exact weights; the gradient computed
+Compression (``MigrationConfig``): owners encode top-k(expert - base) with the codec; borrowers
+rebuild base + residual. The base is the shared expert at the first gather (and after a plan
+switch); with ``incremental`` (the default) it is afterwards the copy the peers already hold, so
+each gather ships the largest entries of what the copy still misses (error feedback on weights):
+borrowed copies converge to the owners' weights instead of staying shared + a fixed 2%. Every
+peer decodes the same payloads in the same order, so owner and borrowers agree on the copy bit for
+bit without extra traffic. Owners always compute with their exact weights; the gradient computed
 with a borrowed approximation is returned as the owner's gradient (straight-through), exactly or
-top-k compressed with error feedback. Memory bound per layer: while in flight, one payload buffer
-of S x (this rank's encoded experts); after decode, (S-1) decoded copies, held for backward.
+top-k compressed with error feedback.
+
+Memory bound per layer and rank (n = numel of this rank's experts, S = domain size): while in
+flight, one payload buffer of S x encoded(n); after decode, S-1 copies of n held for backward;
+incremental compression keeps those S-1 copies between iterations plus one mirror of n (what the
+peers hold of this rank's experts).
 """
 
 from __future__ import annotations
@@ -23,7 +32,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_hybridep.runtime.compression import ErrorFeedbackTopK, SharedExpertRule, SharedResidualCodec
+from megatron_hybridep.runtime.compression import (
+    ErrorFeedbackTopK,
+    SharedExpertRule,
+    SharedResidualCodec,
+    decode_into,
+    encode,
+)
 from megatron_hybridep.runtime.instrument import Stats
 
 # torch >= 2.14 renamed the tensor-in/tensor-out collectives; older torch (>= 2.6 is supported) has the old names.
@@ -39,6 +54,7 @@ class MigrationConfig:
     grad_compression_ratio: float = 1.0  # the same for returned gradients, with error feedback
     use_shared: bool = True              # shared + residual; False = plain top-k (the paper's ablation)
     shared_refresh_every: int = 10       # optimizer steps between shared-expert refreshes (0 = frozen)
+    incremental: bool = True             # residual against the peers' current copy (else against shared)
 
     def __post_init__(self) -> None:
         for name in ("compression_ratio", "grad_compression_ratio"):
@@ -146,6 +162,11 @@ class DomainGather:
                                     else self.numel * self.params[0].element_size())
         self._pending: _Pending | None = None
         self._step = 0
+        # incremental compression: what the peers hold of this rank's experts [L, row], and what this
+        # rank holds of every position [S, L, row] (own slot unused); None = rebuild from the shared base
+        self._held: torch.Tensor | None = None
+        self._copies: torch.Tensor | None = None
+        self._encoded: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
 
     @property
     def bytes_per_rank(self) -> int:
@@ -159,20 +180,37 @@ class DomainGather:
         """After the optimizer step: the counter the shared-expert rule runs on."""
         self._step = step
 
+    def _encode(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """This rank's payload now: (payload, shared tensor used, base it was encoded against)."""
+        flat = self._flat(detach=True)
+        if self.codec is None:
+            return flat, None, None
+        rows = flat.view(self.num_local, -1)
+        if not self.config.incremental:
+            shared = self.shared.update(self._step, rows) if self.shared is not None else None
+            return self.codec.encode_batch(rows, shared), shared, None
+        # the shared expert only seeds the copies; afterwards the base is the copy itself
+        shared = self.shared.update(self._step, rows) if self._held is None and self.shared is not None else None
+        base = self._held if self._held is not None else self._initial_base(rows, shared)
+        return self._encode_rows(rows, base), shared, base
+
+    def encode_ahead(self) -> None:
+        """Right after the optimizer step (compressed only): encode now, while the weights are fresh,
+        and launch the gather later (prefetch order). Encoding again before a launch replaces it."""
+        if self.codec is not None and self.size > 1 and self._pending is None:
+            self._encoded = self._encode()
+
     def start(self) -> None:
         """Launch the all-gather now (no-op if one is in flight). Parameters must not change until
         ``borrowed()``: start it after the optimizer step or within a forward pass."""
         if self._pending is not None or self.size == 1:
             return
-        flat = self._flat(detach=True)
-        shared = None
-        if self.codec is not None:
-            rows = flat.view(self.num_local, -1)
-            if self.shared is not None:
-                shared = self.shared.update(self._step, rows)
-            flat = self.codec.encode_batch(rows, shared)
-        buffer = flat.new_empty(self.size * flat.numel())
-        handle = _all_gather(buffer, flat, group=self.group, async_op=True)
+        payload, shared, base = self._encoded or self._encode()
+        self._encoded = None
+        if base is not None:  # what the peers will hold once they decode this payload
+            self._held = self._decode_rows(payload, base, out=base)  # in place: the base is private
+        buffer = payload.new_empty(self.size * payload.numel())
+        handle = _all_gather(buffer, payload, group=self.group, async_op=True)
         self._pending = _Pending(buffer, handle, time.perf_counter(), shared)
 
     def borrowed(self) -> list[dict[str, torch.Tensor] | None]:
@@ -208,8 +246,15 @@ class DomainGather:
             slots = pending.buffer.view(self.size, -1)
             rows = result.view(self.size, self.num_local, -1)
             for q in range(self.size):
-                if q != self.position:  # this rank's own slot is never used: owners are exact
+                if q == self.position:  # this rank's own slot is never used: owners are exact
+                    continue
+                if not self.config.incremental:
                     self.codec.decode_batch(slots[q], pending.shared, out=rows[q])
+                    continue
+                base = self._copies[q] if self._copies is not None else self._initial_base(rows[q], pending.shared)
+                self._decode_rows(slots[q], base, out=rows[q])
+            if self.config.incremental:
+                self._copies = rows.detach()  # never written in place: the next gather decodes into a new buffer
         if self.stats is not None:
             self.stats.add(self.layer, "expert_gather", "domain", 0, time.perf_counter() - t0,
                            wall=time.perf_counter() - pending.started)
@@ -217,13 +262,42 @@ class DomainGather:
             self._count_bytes("expert_gather", self.bytes_per_rank)
         return result
 
+    def _initial_base(self, rows: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+        """The first copy peers build on: the shared expert (plain top-k: zeros), one per expert row."""
+        if shared is None:
+            return torch.zeros_like(rows)
+        return shared.reshape(1, -1).expand_as(rows).clone()
+
+    def _encode_rows(self, rows: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        nb = self.codec.nbytes(rows[0].numel(), rows.dtype)
+        out = torch.empty(rows.shape[0] * nb, dtype=torch.uint8, device=rows.device)
+        for e in range(rows.shape[0]):
+            encode(rows[e], base[e], self.codec.layout(rows[e].numel(), rows.dtype), out=out[e * nb:(e + 1) * nb],
+                   backend=self.codec.backend)
+        return out
+
+    def _decode_rows(self, payload: torch.Tensor, base: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out[e] = base[e] + residual[e] (base may alias out)."""
+        flat = payload.reshape(-1)
+        nb = flat.numel() // out.shape[0]
+        for e in range(out.shape[0]):
+            decode_into(flat[e * nb:(e + 1) * nb], self.codec.layout(out[e].numel(), out.dtype), base[e], out[e],
+                        backend=self.codec.backend)
+        return out
+
     def _return_grads(self, grad: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         grad = grad.contiguous()
         out = grad.new_zeros(self.numel)
-        if self.grad_codec is None:
+        nbytes = self.numel * grad.element_size()
+        if self.grad_codec is None and dist.get_backend(self.group) == "gloo":
+            # gloo's reduce-scatter is an all-reduce plus a slice (2x the bytes on the wire); an
+            # all-to-all of the chunks and a local sum sends each chunk once, like NCCL's ring.
+            recv = torch.empty_like(grad)
+            dist.all_to_all_single(recv, grad, group=self.group)
+            torch.sum(recv.view(self.size, -1), dim=0, out=out)
+        elif self.grad_codec is None:
             _reduce_scatter(out, grad, group=self.group)
-            nbytes = self.numel * grad.element_size()
         else:
             chunks = grad.view(self.size, -1)
             nbytes = self.grad_codec.nbytes(self.numel, grad.dtype)
@@ -250,7 +324,9 @@ class DomainGather:
                 self.stats.add(self.layer, phase, "domain", nbytes, 0.0, level=level)
 
     def drop(self) -> None:
-        """Forget an in-flight gather (plan switch): wait so the buffer is not written later."""
+        """Forget an in-flight gather and the incremental copies (plan switch): wait so the buffer
+        is not written later; the next gather under this plan rebuilds from the shared base."""
         if self._pending is not None and self._pending.handle is not None:
             self._pending.handle.wait()
-        self._pending = None
+        self._pending = self._encoded = None
+        self._held = self._copies = None

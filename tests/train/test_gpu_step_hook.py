@@ -1,0 +1,31 @@
+"""On GPU, pretrain_moe.py runs Megatron's own loop; the runtime must still hear about every
+optimizer step (shared-expert rule, layer-0 encode and prefetch). The hook wraps Megatron's
+train_step by name, once, and calls the runtime after it."""
+
+import pytest
+
+
+def test_megatron_train_step_is_wrapped_once_and_calls_the_runtime(monkeypatch):
+    training = pytest.importorskip("megatron.training.training")
+    from megatron_hybridep.megatron import gpu_pretrain
+    from megatron_hybridep.runtime import context
+
+    calls = []
+
+    class Runtime:
+        def after_optimizer_step(self) -> None:
+            calls.append("runtime")
+
+    def fake_train_step(*args, **kwargs):
+        calls.append("megatron")
+        return ("loss", args, kwargs)
+
+    monkeypatch.setattr(training, "train_step", fake_train_step)
+    monkeypatch.setattr(context, "_RUNTIME", Runtime())
+    gpu_pretrain._after_each_step()
+    gpu_pretrain._after_each_step()  # idempotent: a second pretrain() in-process must not double-step
+    assert training.train_step(1, k=2) == ("loss", (1,), {"k": 2})
+    assert calls == ["megatron", "runtime"]
+    monkeypatch.setattr(context, "_RUNTIME", None)
+    training.train_step()
+    assert calls == ["megatron", "runtime", "megatron"]
