@@ -25,6 +25,9 @@ def _topology_flags(p: argparse.ArgumentParser) -> None:
                    help="uplink rate of every DC, both directions: 100mbit, 1gbit, none (default 100mbit)")
     p.add_argument("--delay", default="0ms", help="one-way delay added to traffic leaving a DC, e.g. 5ms")
     p.add_argument("--jitter", default="0ms", help="+- delay variation, e.g. 1ms (needs --delay)")
+    p.add_argument("--burst", default="default",
+                   help="HTB bucket of each uplink as time at the rate, e.g. 1ms (a link that banks no idle "
+                        "time); default: >= 70 KB, which lets the first 70 KB after an idle gap pass unshaped")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +61,7 @@ def _config(args: argparse.Namespace, prefix: str | None, persistent: bool) -> T
         rate_mbit=shaping.parse_rate_mbit(args.rate),
         delay_ms=shaping.parse_time_ms(args.delay),
         jitter_ms=shaping.parse_time_ms(args.jitter),
+        burst_ms=shaping.parse_burst_ms(args.burst),
         prefix=prefix,
         persistent=persistent,
     )

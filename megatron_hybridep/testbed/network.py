@@ -72,6 +72,7 @@ class TestbedConfig:
     rate_mbit: float | None | list[float | None] = 100.0  # one value for all DCs, or one per DC
     delay_ms: float = 0.0
     jitter_ms: float = 0.0
+    burst_ms: float | None = None  # HTB bucket of every shaped end as ms at the rate; None: >= 70 KB (shaping.py)
     subnet: str = "10.77.0"  # a /24 that exists only inside our namespaces; DC i is .(i+1)
     prefix: str | None = None  # default "hep-<pid>"
     persistent: bool = False  # kept up after the owner exits (`hybridep testbed up`)
@@ -95,6 +96,7 @@ class TestbedConfig:
             raise TestbedError("delay and jitter must not be negative")
         if self.jitter_ms > 0 and self.delay_ms == 0:
             raise TestbedError("jitter needs a delay (netem varies the delay by +- jitter)")
+        shaping.parse_burst_ms(self.burst_ms)
         self.rates()
 
 
@@ -197,13 +199,14 @@ class Testbed:
             sh(["ip", "-n", sw, "link", "set", port, "up"])
             sh(["ip", "-n", ns, "addr", "add", f"{self.address(dc)}/24", "dev", DC_DEV])
             sh(["ip", "-n", ns, "link", "set", DC_DEV, "up"])
-            dc_shape = shaping.LinkShape(rates[dc], self.config.delay_ms, self.config.jitter_ms)
+            burst = shaping.parse_burst_ms(self.config.burst_ms)
+            dc_shape = shaping.LinkShape(rates[dc], self.config.delay_ms, self.config.jitter_ms, burst)
             if dc_shape.needs_netem and not netem_checked:
                 if not shaping.netem_available(ns, DC_DEV):
                     raise shaping._netem_missing(TestbedError("Specified qdisc kind is unknown"))
                 netem_checked = True
             self._apply(dc, ns, DC_DEV, dc_shape)
-            self._apply(dc, sw, port, shaping.LinkShape(rates[dc]))
+            self._apply(dc, sw, port, shaping.LinkShape(rates[dc], burst_ms=burst))
 
     def _apply(self, dc: int, ns: str, dev: str, shape: shaping.LinkShape) -> None:
         if shape.rate_mbit is not None or shape.needs_netem:
@@ -291,9 +294,10 @@ class Testbed:
         tb = cls(cfg)
         tb._is_up, tb._owned = True, False
         tb._owner_pid = state.get("owner_pid", os.getpid())
+        burst = shaping.parse_burst_ms(cfg.burst_ms)
         for dc, rate in enumerate(state.get("rates_mbit") or cfg.rates()):
-            tb._shapes[(dc, tb.netns(dc))] = shaping.LinkShape(rate, cfg.delay_ms, cfg.jitter_ms)
-            tb._shapes[(dc, tb.switch_netns)] = shaping.LinkShape(rate)
+            tb._shapes[(dc, tb.netns(dc))] = shaping.LinkShape(rate, cfg.delay_ms, cfg.jitter_ms, burst)
+            tb._shapes[(dc, tb.switch_netns)] = shaping.LinkShape(rate, burst_ms=burst)
         return tb
 
     # ---------------------------------------------------------------------------- shaping
@@ -380,18 +384,20 @@ class Testbed:
         return group.wait()
 
     def selfcheck(self, *, seconds: float = 1.0, tolerance: float = 0.10,
-                  intra_factor: float = 5.0) -> SelfCheckReport:
-        """Measure cross-DC and intra-DC throughput against the configured rates."""
+                  intra_factor: float = 5.0, two_way_tolerance: float = 0.5) -> SelfCheckReport:
+        """Measure cross-DC (one-way and two-way) and intra-DC throughput against the configured rates."""
         from megatron_hybridep.testbed.selfcheck import selfcheck
 
         self._require_up()
-        return selfcheck(self, seconds=seconds, tolerance=tolerance, intra_factor=intra_factor)
+        return selfcheck(self, seconds=seconds, tolerance=tolerance, intra_factor=intra_factor,
+                         two_way_tolerance=two_way_tolerance)
 
     def describe(self) -> str:
         rates = ", ".join("unshaped" if r is None else f"{r:g}" for r in self.rates())
-        extra = ""
+        burst = shaping.parse_burst_ms(self.config.burst_ms)
+        extra = "" if burst is None else f", HTB burst {burst:g} ms"
         if self.config.delay_ms:
-            extra = f", delay {self.config.delay_ms:g} ms"
+            extra += f", delay {self.config.delay_ms:g} ms"
             if self.config.jitter_ms:
                 extra += f" +- {self.config.jitter_ms:g} ms"
         return (f"testbed {self.prefix}: {self.dcs} DCs x {self.config.ranks_per_dc} ranks, "

@@ -2,7 +2,10 @@
 
 Layout on a shaped device:  root 1: htb default 1  ->  class 1:1 (rate = ceil)  [-> 10: netem]
 A single HTB class (not TBF) lets `set_rate` change the rate with `tc class change` while traffic
-flows, without resetting the queue. The uplink is shaped on both ends of its veth pair (egress of
+flows, without resetting the queue. The HTB bucket (burst) defaults to >= 70 KB (one 64 KiB GSO
+super-packet); ``burst_ms`` sets it to that many ms at the rate instead (>= 2 frames), like a real
+link that banks no idle time: with the default bucket a collective after an idle gap (compute)
+passes its first 70 KB at veth speed, so small collectives run almost unshaped. The uplink is shaped on both ends of its veth pair (egress of
 the DC side and egress of the switch-side port), so both directions are limited.
 """
 
@@ -18,6 +21,7 @@ _RATE_UNITS_BIT = {"": 1e6, "bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "
 _RATE_UNITS_BYTE = {"bps": 8.0, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
 _TIME_UNITS = {"": 1.0, "ms": 1.0, "msec": 1.0, "s": 1e3, "sec": 1e3, "us": 1e-3, "usec": 1e-3}
 _NUM = r"(\d+(?:\.\d*)?|\.\d+)"
+MAX_FRAME = 1514  # bytes of a full Ethernet frame at MTU 1500
 
 
 def parse_rate_mbit(text: str | float | int | None) -> float | None:
@@ -74,6 +78,7 @@ class LinkShape:
     rate_mbit: float | None = None  # None: no rate limit
     delay_ms: float = 0.0  # added one-way latency (netem)
     jitter_ms: float = 0.0  # +- variation of the delay (netem; reorders packets)
+    burst_ms: float | None = None  # HTB bucket as time at the rate; None: >= 70 KB (module doc)
 
     @property
     def needs_netem(self) -> bool:
@@ -84,15 +89,34 @@ def _fmt_rate(mbit: float) -> str:
     return f"{round(mbit * 1000)}kbit"  # integer kbit: tc accepts no exponent notation
 
 
-def _htb_params(mbit: float) -> list[str]:
+def parse_burst_ms(text: str | float | int | None) -> float | None:
+    """'1ms' -> 1.0; None, '' or 'default' -> None (the >= 70 KB bucket); must be > 0."""
+    if text is None or (isinstance(text, str) and text.strip().lower() in ("", "default")):
+        return None
+    value = parse_time_ms(text)
+    if value <= 0:
+        raise TestbedError(f"burst must be positive, got {text!r}: use e.g. 1ms, or 'default' for the 70 KB bucket")
+    return value
+
+
+def _htb_params(mbit: float, burst_ms: float | None = None) -> list[str]:
     bytes_per_s = mbit * 1e6 / 8
-    # burst: ~1 ms at the rate but at least one 64 KiB GSO super-packet, so HTB never stalls on
-    # a large skb and short measurements are barely inflated by the bucket's initial credit.
-    burst = max(int(bytes_per_s * 1e-3), 70_000)
-    # single class: quantum only matters for the "quantum is big" warning; keep it in range
-    quantum = min(200_000, max(1_600, int(bytes_per_s / 10)))
+    if burst_ms is None:
+        # ~1 ms at the rate but at least one 64 KiB GSO super-packet, so HTB never stalls on a large
+        # skb and short measurements are barely inflated by the bucket's initial credit
+        burst = max(int(bytes_per_s * 1e-3), 70_000)
+        # single class: quantum only matters for the "quantum is big" warning; keep it in range
+        quantum = min(200_000, max(1_600, int(bytes_per_s / 10)))
+    else:
+        burst = max(int(bytes_per_s * burst_ms * 1e-3), 2 * MAX_FRAME)
+        quantum = MAX_FRAME
     rate = _fmt_rate(mbit)
     return ["rate", rate, "ceil", rate, "burst", str(burst), "cburst", str(burst), "quantum", str(quantum)]
+
+
+def htb_burst_bytes(mbit: float, burst_ms: float | None = None) -> int:
+    """The bucket size _htb_params gives (for reports and tests)."""
+    return int(_htb_params(mbit, burst_ms)[5])
 
 
 def _netem_params(shape: LinkShape, rate_mbit: float | None) -> list[str]:
@@ -136,7 +160,7 @@ def apply(ns: str, dev: str, shape: LinkShape) -> None:
                 raise _htb_missing(exc) from exc
             raise
         sh([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
-            *_htb_params(shape.rate_mbit)])
+            *_htb_params(shape.rate_mbit, shape.burst_ms)])
         parent = ["parent", "1:1", "handle", "10:"]
     else:
         parent = ["root", "handle", "10:"]
@@ -151,10 +175,10 @@ def apply(ns: str, dev: str, shape: LinkShape) -> None:
 
 def change_rate(ns: str, dev: str, old: LinkShape, new_rate_mbit: float | None) -> LinkShape:
     """Change the rate of a shaped end; live (`tc class change`) when HTB is already there."""
-    new = LinkShape(new_rate_mbit, old.delay_ms, old.jitter_ms)
+    new = LinkShape(new_rate_mbit, old.delay_ms, old.jitter_ms, old.burst_ms)
     if old.rate_mbit is not None and new_rate_mbit is not None:
         sh(["tc", "-n", ns, "class", "change", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
-            *_htb_params(new_rate_mbit)])
+            *_htb_params(new_rate_mbit, new.burst_ms)])
     else:
         apply(ns, dev, new)  # adding or removing the rate limit changes the qdisc tree
     return new

@@ -11,7 +11,7 @@ from megatron_hybridep.testbed import netns
 
 
 def test_up_status_check_down(prefix, capsys):
-    assert main(["testbed", "up", "--dcs", "2", "--ranks-per-dc", "2", "--rate", "80mbit",
+    assert main(["testbed", "up", "--dcs", "2", "--ranks-per-dc", "2", "--rate", "80mbit", "--burst", "1ms",
                  "--prefix", prefix]) == 0
     out = capsys.readouterr().out
     assert f"{prefix}-dc1" in out and "10.77.0.2" in out
@@ -24,12 +24,12 @@ def test_up_status_check_down(prefix, capsys):
 
     assert main(["testbed", "status", "--prefix", prefix]) == 0
     out = capsys.readouterr().out
-    assert "kept up" in out and "10.77.0.1/24" in out and "rate 80Mbit" in out
+    assert "kept up" in out and "10.77.0.1/24" in out and "rate 80Mbit" in out and "burst 10000b" in out
     assert f"{prefix}-sw" in out and "dc1: qdisc htb" in out
 
     assert main(["testbed", "check", "--prefix", prefix, "--seconds", "0.5"]) == 0
     out = capsys.readouterr().out
-    assert "dc0 -> dc1" in out and "dc1 -> dc0" in out and "self-check: PASS" in out
+    assert "dc0 -> dc1" in out and "dc1 -> dc0" in out and "(2-way)" in out and "self-check: PASS" in out
     assert len(netns.testbed_netns(prefix)) == 3  # check leaves a kept-up testbed up
 
     assert main(["testbed", "down", "--prefix", prefix]) == 0

@@ -19,14 +19,39 @@ def test_selfcheck_cross_dc_within_10_percent_and_intra_dc_far_above(prefix):
         report = tb.selfcheck(seconds=SECONDS)
     print(report.format())
     assert report.ok, report.format()
-    cross = [m for m in report.measurements if not m.intra]
+    cross = [m for m in report.measurements if not m.intra and not m.two_way]
+    two_way = [m for m in report.measurements if m.two_way]
     intra = [m for m in report.measurements if m.intra]
     assert {(m.src_dc, m.dst_dc) for m in cross} == {(0, 1), (1, 0)}  # both directions shaped
     for m in cross:
         assert m.expected_mbit == 100
         assert abs(m.mbit / 100 - 1) <= 0.10, m
+    # one connection carrying data both ways at once: each direction still near its rate
+    assert {(m.src_dc, m.dst_dc) for m in two_way} == {(0, 1), (1, 0)}
+    for m in two_way:
+        assert abs(m.mbit / 100 - 1) <= report.two_way_tolerance, m
+    assert report.two_way_ratio() is not None and "two-way on one connection" in report.format()
     assert intra and intra[0].mbit >= 5 * 100
     assert "self-check: PASS" in report.format()
+
+
+def test_burst_setting_sizes_the_htb_bucket_and_survives_set_rate(prefix):
+    assert shaping.htb_burst_bytes(100) == 70_000  # default: one GSO super-packet at least
+    assert shaping.htb_burst_bytes(100, 1.0) == 12_500  # 1 ms at 100 Mbit/s
+    assert shaping.htb_burst_bytes(1, 1.0) == 2 * shaping.MAX_FRAME  # never below two frames
+    with pytest.raises(TestbedError, match="burst must be positive"):
+        shaping.parse_burst_ms("0ms")
+    with Testbed(dcs=2, rate_mbit=100, burst_ms=1.0, prefix=prefix) as tb:
+        assert "HTB burst 1 ms" in tb.describe()
+        for ns, dev in ((tb.netns(0), "wan0"), (tb.switch_netns, "dc0")):
+            assert "burst 12500b" in shaping.show(ns, dev)
+        tb.set_rate(0, None)
+        tb.set_rate(0, 40)  # re-added and live-changed limits keep the configured bucket
+        tb.set_rate(0, 80)
+        for ns, dev in ((tb.netns(0), "wan0"), (tb.switch_netns, "dc0")):
+            assert "rate 80Mbit" in shaping.show(ns, dev) and "burst 10000b" in shaping.show(ns, dev)
+        m = measure_throughput(tb, 0, 1, seconds=SECONDS)
+        assert abs(m.mbit / 80 - 1) <= 0.10, m  # a small bucket does not cost throughput
 
 
 def test_rates_per_dc_and_set_rate_while_ranks_run(prefix):
