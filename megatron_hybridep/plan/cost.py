@@ -5,10 +5,12 @@ Beyond the paper's stream model (paper_model.py) it counts, per MoE layer and mi
   alpha-beta links at every level and uplink contention (network.py);
 - expert compute on the rank that actually computes each token, so skewed routing shows (a hot
   expert's load is split over its domain's copies under HybridEP, not under plain EP);
-- the expert all-gather in the domain (compressed bytes incl. indices), hidden behind the compute
-  before the experts (T_pre) where it fits; the runtime gathers in every micro-batch, and for
-  micro-batches after the first, layer 0's gather starts only at its MoE block (nothing to hide
-  behind). The all-to-alls it also overlaps are not counted as cover (they may share its links);
+- the expert all-gather in the domain (compressed bytes incl. indices), hidden where it fits
+  behind what runs between its start and its use: layer 0's (started after the optimizer step)
+  behind T_pre + the dispatch, layer l+1's (started after layer l's experts) behind layer l's
+  combine + T_pre + the dispatch, and in micro-batches after the first layer 0's (started at its
+  MoE block) behind the dispatch alone. All-to-alls count as cover only when they use no link
+  level the gather uses (else they share bandwidth: the simulator resolves that, not this);
 - the gradient return of borrowed experts to their owners, blocking, in every micro-batch's
   backward (runtime/migration.py: a reduce-scatter ring, or an all-to-all of top-k payloads when
   gradients are compressed);
@@ -205,10 +207,12 @@ class CostModel:
         grad_bytes = own * w.expert_params * w.grad_bytes * Lm  # one bucket: every MoE layer's expert grads
         allreduce = net.ring(fam, 2 * (k - 1) / k * grad_bytes, 2 * (k - 1)) if k > 1 else zero
 
-        # overlap as the runtime schedules it (module doc): only the gather hides, behind T_pre, except
-        # layer 0's gather in micro-batches after the first
-        hidden = max(0.0, ag.seconds - t_pre)
-        gathers = Lm * hidden + (m - 1) * ((Lm - 1) * hidden + ag.seconds)
+        # overlap as the runtime schedules it (module doc): only the gathers hide
+        disjoint = not any(a > 0 and any(p.level_seconds[i] > 0 for p in a2a_layers)
+                           for i, a in enumerate(ag.level_seconds))
+        a2a = a2a_total / Lm if disjoint else 0.0  # one all-to-all (mean over layers)
+        first, later, restart = (max(0.0, ag.seconds - cover) for cover in (t_pre + a2a, t_pre + 2 * a2a, a2a))
+        gathers = first + (Lm - 1) * later + (m - 1) * (restart + (Lm - 1) * later)
         phases = {
             "pre_compute": 3 * t_pre * Lm * m,
             "expert_compute": 3 * expert_fwd * m,

@@ -8,11 +8,13 @@ the real Megatron GPT-MoE on the emulated multi-DC testbed (network namespaces +
 One testbed (D DCs x K ranks), one launch of the rank workers (bench_worker), steered by the parent
 over a control socket (bench_control). Point by point, highest traffic first (tokens per rank =
 micro_batch x seq, --points values over a 32x range, so the token traffic per rank spans 32x like the
-paper's 6..192 MB), system by system (EP first, then replicated, then HybridEP):
+paper's 6..192 MB), system by system (EP first, then replicated, HybridEP with exact migration, and
+HybridEP with weights and returned gradients top-k compressed, --compression-ratio):
 1. WAN unshaped: build the system, warm up, K iterations -> the unshaped step time the prediction
    starts from, and (EP) the compute the cost model is fed: T_pre and the expert speed;
 2. HybridEP's plan is the planner's (plan/planner.py, its own cost model) for a Topology of the
-   testbed (bandwidth = TCP goodput of the rate) and a Workload of the model, tokens and step 1;
+   testbed (bandwidth = TCP goodput of the rate) and a Workload of the model, tokens and step 1
+   (for the compressed variant: with the codec's bytes);
 3. WAN shaped to --rate: warm up, K timed iterations; the uplink byte counters over exactly the
    timed window; the prediction (bench_predict) next to it.
 Measuring each system unshaped and shaped back to back keeps the machine's load (shared cores)
@@ -78,7 +80,8 @@ def run_bench(cfg: BenchConfig, log: IO[str] = sys.stdout) -> dict[str, Any]:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="hybridep-bench-") as tmp, \
-            Testbed(TestbedConfig(dcs=cfg.dcs, ranks_per_dc=cfg.ranks_per_dc, rate_mbit=cfg.rate_mbit)) as tb:
+            Testbed(TestbedConfig(dcs=cfg.dcs, ranks_per_dc=cfg.ranks_per_dc, rate_mbit=cfg.rate_mbit,
+                                  burst_ms=cfg.burst_ms or None)) as tb:
         session = Session(cfg, tb, log)
         session.say(f"{tb.describe()}; model {cfg.model.name}; points (tokens/rank) "
                     f"{[p['tokens'] for p in cfg.points]}; systems {','.join(cfg.systems)}")

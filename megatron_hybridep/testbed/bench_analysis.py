@@ -24,44 +24,44 @@ def analyse(cfg: BenchConfig, session: Session, events: list[dict[str, Any]], el
     ep_median = {e["point"]: e["median_s"] for e in measured if e["system"] == "ep"}
     probes = probe_summary(cfg, events)
     rows: list[br.Row] = []
+    rep_median = {e["point"]: e["median_s"] for e in measured if e["system"] == "replicated"}
     for e in sorted(measured, key=lambda e: (e["point"], SYSTEMS.index(e["system"]))):
         point = cfg.points[e["point"]]
-        workload = session.workload(point, events)
-        if e["system"] == "hybridep":
-            plan = session.chosen[e["point"]]
+        workload = session.workload(point, events, e["system"])
+        if e["system"].startswith("hybridep"):
+            plan = session.chosen[(e["point"], e["system"])]
         else:
             plan = bp.system_plan(e["system"], shaped, cfg.model.num_experts)
         base = calib[(e["system"], e["plan"], e["point"])]
-        window = base["ranks"]["expert_gather_wall_s"] / cfg.model.num_layers if plan.domain_size > 1 else None
-        pred = bp.predict(shaped, unshaped, workload, plan, dense, base["median_s"], window)
         eff = probes.get(e["point"], {}).get("efficiency", 1.0)
-        rows.append(make_row(cfg, e, base, pred, ep_median[e["point"]], eff))
+        pred = bp.predict(shaped, unshaped, workload, plan, dense, base["median_s"], eff)
+        rows.append(make_row(cfg, e, base, pred, ep_median[e["point"]], eff, rep_median.get(e["point"])))
     checks = br.check_targets(rows)
     write_outputs(cfg, rows, checks, session, elapsed_s)
     return {"rows": rows, "checks": checks, "elapsed_s": elapsed_s}
 
 
 def make_row(cfg: BenchConfig, e: dict[str, Any], base: dict[str, Any], pred: bp.Prediction,
-             ep_median: float, a2a_efficiency: float) -> br.Row:
+             ep_median: float, a2a_efficiency: float, rep_median: float | None = None) -> br.Row:
     steps, r, b = e["step_s"], e["ranks"], base["ranks"]
     q1, q3 = br.quartiles(steps)
     link = e["link"]
     n, it = len(link), e["iters"]
     a2a_fwd = r["token_dispatch_s"] + r["token_combine_s"]
-    # the token all-to-alls at the rate the probe saw a bare all-to-all of this size get
-    probed = pred.total + pred.phases["token_a2a"] * (1 / a2a_efficiency - 1)
     payload = sum(r[f"{p}_dc_bytes"] for p in ("token_dispatch", "token_combine", "expert_gather", "grad_return"))
     payload += r["token_dispatch_dc_bytes"] + r["token_combine_dc_bytes"]  # backward: the transposes
     return br.Row(
         point=e["point"], tokens=e["tokens"], micro_batch=e["micro_batch"], seq=e["seq"],
         token_traffic_mb=cfg.model.token_traffic_bytes(e["tokens"]) / 1e6, system=e["system"], plan=e["plan"],
         iters=it, median_s=e["median_s"], min_s=min(steps), max_s=max(steps), q1_s=q1, q3_s=q3,
-        speedup_vs_ep=ep_median / e["median_s"], unshaped_s=base["median_s"], predicted_s=pred.total,
+        speedup_vs_ep=ep_median / e["median_s"],
+        speedup_vs_replicated=rep_median / e["median_s"] if rep_median else float("nan"),
+        unshaped_s=base["median_s"], predicted_s=pred.total,
         pred_error_pct=(pred.total / e["median_s"] - 1) * 100, planner_s=pred.planner_total,
-        a2a_efficiency=a2a_efficiency, pred_probe_s=probed,
-        pred_probe_error_pct=(probed / e["median_s"] - 1) * 100,
+        a2a_efficiency=a2a_efficiency, pred_uncal_s=pred.uncalibrated_total,
+        pred_uncal_error_pct=(pred.uncalibrated_total / e["median_s"] - 1) * 100,
         pred_token_a2a_s=pred.phases["token_a2a"], pred_expert_gather_s=pred.phases["expert_gather"],
-        pred_grad_return_s=pred.phases["grad_return"],
+        pred_grad_return_s=pred.phases["grad_return"], pred_shared_sync_s=pred.phases["shared_sync"],
         pred_expert_grad_allreduce_s=pred.phases["expert_grad_allreduce"],
         pred_dense_grad_allreduce_s=pred.phases["dense_grad_allreduce"],
         meas_a2a_fwd_s=a2a_fwd,
@@ -136,14 +136,15 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         f"{cfg.warmup} warm-up + {cfg.iters} timed iterations",
         "", br.format_table(rows),
         "median of the timed iterations [min-max]; pred = cost-model prediction (WAN at the TCP goodput of the "
-        "rate), err = (pred - measured) / measured; probe = the error with the token all-to-alls at the share of the "
-        "rate a bare all-to-all of the same size got (below); load = the machine's 1-minute load average around the "
+        "rate, token all-to-alls calibrated by the share of it a bare gloo all-to-all of the same size got, below), "
+        "err = (pred - measured) / measured; uncal = the error without that calibration; load = the machine's 1-minute load average around the "
         f"timed window ({os.cpu_count()} cores: above that, other jobs competed for them)", "",
         "per phase, ms per iteration (measured / predicted; a2a = forward dispatch + combine, the backward's "
         "transposes are not timed separately):",
         br.format_phases(rows), "",
-        "planner's overall best per point (its own cost model, replicated included): "
-        + ", ".join(f"{cfg.points[p]['tokens']}: {b}" for p, b in sorted(session.info["planner_best"].items())),
+        "planner's overall best per point and workload (its own cost model, replicated included): "
+        + ", ".join(f"{cfg.points[int(k.split()[0])]['tokens']} {k.split()[1]}: {b}"
+                    for k, b in sorted(session.info["planner_best"].items(), key=lambda kv: kv[0])),
         format_probe(cfg, probe),
         f"link counters: the timed windows hold {window:.1f} MB of the {total:.1f} MB per DC uplink (tx) sent while "
         "the WAN was shaped (the rest: warm-up)",

@@ -15,11 +15,12 @@ from megatron_hybridep.testbed import bench_predict as bp
 from megatron_hybridep.testbed.sh import TestbedError
 from megatron_hybridep.testbed.shaping import parse_rate_mbit
 
-SYSTEMS = ("ep", "replicated", "hybridep")
+SYSTEMS = ("ep", "replicated", "hybridep", "hybridep-compressed")
+COMPRESSED = "hybridep-compressed"  # HybridEP with weights and returned gradients top-k compressed
 SPAN = 32  # token traffic range of the sweep (paper: 6..192 MB)
 DEFAULTS: dict[str, Any] = {"dcs": 2, "ranks_per_dc": 2, "rate": "50mbit", "points": 6, "min_tokens": 128,
                             "seq": 128, "warmup": 2, "iters": 7, "systems": ",".join(SYSTEMS), "timeout": 1800.0,
-                            "burst_ms": 1.0}
+                            "burst_ms": 1.0, "compression_ratio": 50.0}
 # --smoke: the same path end to end, small enough for CI (< 60 s on 2 cores)
 SMOKE: dict[str, Any] = {"points": 2, "min_tokens": 32, "seq": 32, "warmup": 1, "iters": 2, "timeout": 150.0}
 
@@ -50,8 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=None, help=f"limit for the whole run in s "
                         f"(default {d['timeout']:g})")
     parser.add_argument("--burst-ms", type=float, default=None,
-                        help="HTB bucket of each uplink as time at the rate (default 1 ms, like a real link that banks "
-                             "no idle time; 0 keeps the testbed's >= 70 KB)")
+                        help="HTB bucket of each uplink as time at the rate (TestbedConfig.burst_ms; default 1 ms, like a "
+                             "real link that banks no idle time; 0 keeps the testbed's >= 70 KB)")
+    parser.add_argument("--compression-ratio", type=float, default=None,
+                        help=f"{COMPRESSED}: element ratio of the shipped expert weights (shared + top-k residual) "
+                             f"and of the returned gradients (top-k, error feedback) (default {d['compression_ratio']:g})")
     parser.add_argument("--smoke", action="store_true",
                         help=f"quick end-to-end check: {SMOKE['points']} points from {SMOKE['min_tokens']} tokens, "
                              f"seq {SMOKE['seq']}, {SMOKE['warmup']} warm-up + {SMOKE['iters']} iterations")
@@ -77,6 +81,7 @@ class BenchConfig:
     timeout: float
     smoke: bool
     burst_ms: float
+    compression_ratio: float = DEFAULTS["compression_ratio"]
     quiet: bool = False
 
     @property
@@ -91,7 +96,10 @@ class BenchConfig:
         argv += ["--dcs", str(self.dcs), "--ranks-per-dc", str(self.ranks_per_dc), "--rate", self.rate_text,
                  "--points", str(len(self.points)), "--min-tokens", str(self.min_tokens), "--seq", str(self.seq),
                  "--warmup", str(self.warmup), "--iters", str(self.iters), "--systems", ",".join(self.systems),
-                 "--burst-ms", f"{self.burst_ms:g}", "--out", str(self.out)]
+                 "--burst-ms", f"{self.burst_ms:g}"]
+        if COMPRESSED in self.systems:
+            argv += ["--compression-ratio", f"{self.compression_ratio:g}"]
+        argv += ["--out", str(self.out)]
         return shlex.join(argv)
 
 
@@ -152,7 +160,11 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     burst_ms = float(get("burst_ms"))
     if burst_ms < 0:
         raise BenchError(f"--burst-ms: must be >= 0, got {burst_ms}; fix: 1 (a real link) or 0 (the testbed's)")
+    ratio = float(get("compression_ratio"))
+    if not ratio > 1:
+        raise BenchError(f"--compression-ratio: must be > 1 for {COMPRESSED}, got {ratio:g}; fix: e.g. 50, or drop "
+                         f"{COMPRESSED} from --systems")
     out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     return BenchConfig(model, model_path or "builtin", dcs, k, rate, rate_text, sweep(min_tokens, seq, points), seq,
                        min_tokens, warmup, iters, systems, out, float(get("timeout")), bool(args.smoke), burst_ms,
-                       bool(getattr(args, "quiet", False)))
+                       ratio, bool(getattr(args, "quiet", False)))

@@ -9,17 +9,15 @@ How a prediction is made (per system, plan and point):
 - "measured unshaped step": the same system and plan on the same testbed with the WAN rate removed
   (calibration phase): compute, framework overhead and the CPU cost of communication. T_pre and the
   expert speed measured there are also fed to the Workload (t_pre_ms, throughput_tflops).
-- "network(rate)": the cost model's (plan/cost.py) per-occurrence times, combined the way this
-  runtime executes them: token all-to-alls (4 per MoE layer) exposed; each expert all-gather hidden
-  behind the compute it overlaps (the runtime prefetches it, from the previous layer's experts or
-  the previous optimizer step to its use: measured unshaped as the gather's issue-to-use time; T_pre
-  if unknown); the gradient return, the expert-data-parallel all-reduce (replicated plan) and the
-  dense-parameter all-reduce exposed (gpt.py builds DDP with overlap_grad_reduce=False and the
-  gradient return is a blocking collective in the backward pass). The dense all-reduce is absent
-  from the cost model (every plan pays it) and is added here with the same ring primitive.
-- Backend fact the planner is told too: gloo's reduce_scatter is an all-reduce followed by a local
-  slice (measured on the testbed: 2x the bytes of a reduce-scatter), so the gradient return ships
-  2 x (S-1) x own experts' gradients, not 1 x. Workload.compressed_grad_bytes carries that factor.
+- "network(rate)": the exposed network phases of the cost model the planner uses (plan/cost.py,
+  tier b: the runtime's schedule; token all-to-alls, gathers hidden behind T_pre where they fit,
+  blocking gradient return, shared-expert refresh and expert-data-parallel all-reduce), plus the
+  dense-parameter all-reduce every plan pays (absent from the cost model, added with the same ring
+  primitive). Links run at the TCP goodput of the rate (selfcheck.TCP_GOODPUT_FRACTION).
+- Calibration, stated as such: the shaped token all-to-alls are divided by the share of the rate a
+  bare gloo all-to-all of EP's size got on the shaped WAN (the bench's probe, per point). gloo
+  exchanges both directions of a pair on one TCP connection, which gets less than the one-way
+  goodput (selfcheck's two-way row). ``uncalibrated_total`` is the same prediction without it.
 """
 
 from __future__ import annotations
@@ -37,8 +35,8 @@ from megatron_hybridep.plan.topology import Level, Topology
 from megatron_hybridep.plan.workload import Workload
 
 FP32 = 4  # bytes per element: the CPU runtime trains in fp32 (activations, weights, gradients)
-GLOO_REDUCE_SCATTER_FACTOR = 2.0  # gloo runs reduce_scatter as all-reduce + slice
-PHASES = ("token_a2a", "expert_gather", "grad_return", "expert_grad_allreduce", "dense_grad_allreduce")
+PHASES = ("token_a2a", "expert_gather", "grad_return", "shared_sync", "expert_grad_allreduce",
+          "dense_grad_allreduce")
 
 
 @dataclass(frozen=True)
@@ -119,7 +117,9 @@ class Calibration:
     expert_fwd_s: float  # expert forward, all layers
     expert_rows: float  # token copies through the experts, all layers
 
-    def workload(self, shape: ModelShape, tokens: int, seq: int) -> Workload:
+    def workload(self, shape: ModelShape, tokens: int, seq: int, compression_ratio: float = 1.0,
+                 shared_sync_bytes_per_layer: float = 0.0) -> Workload:
+        """compression_ratio: weights and returned gradients (the bench's compressed HybridEP)."""
         per_copy = self.expert_fwd_s / max(self.expert_rows, 1.0)
         tflops = 2.0 * shape.expert_params / per_copy / 1e12 if per_copy > 0 else 1.0
         return Workload(
@@ -128,8 +128,8 @@ class Calibration:
             num_layers=shape.num_layers, seq_length=seq, micro_batch_size=tokens // seq,
             activation_bytes=FP32, weight_bytes=FP32, grad_bytes=FP32,
             t_pre_ms=self.t_pre_s / shape.num_layers * 1e3, throughput_tflops=tflops,
-            compressed_grad_bytes=GLOO_REDUCE_SCATTER_FACTOR * shape.expert_params * FP32,
-            name=shape.name)
+            compression_ratio=compression_ratio, grad_compression_ratio=compression_ratio,
+            shared_sync_bytes_per_layer=shared_sync_bytes_per_layer, name=shape.name)
 
 
 def system_plan(system: str, topology: Topology, num_experts: int) -> Plan:
@@ -164,46 +164,51 @@ class NetworkTime:
 
 
 def network_time(topology: Topology, workload: Workload, plan: Plan, dense_params: int,
-                 gather_window_s: float | None = None) -> NetworkTime:
-    """The cost model's per-occurrence times combined as this runtime runs them (module doc).
-    gather_window_s: compute one layer's prefetched gather overlaps (measured; default T_pre)."""
+                 a2a_efficiency: float = 1.0) -> NetworkTime:
+    """The cost model's exposed network phases (module doc); token all-to-alls at a2a_efficiency of
+    the link rate."""
+    if not a2a_efficiency > 0:
+        raise PlanError(f"a2a_efficiency: must be > 0, got {a2a_efficiency!r}")
     cost = CostModel(topology, workload)
     cb = cost.evaluate(plan)
-    raw, Lm = cb.raw, workload.num_moe_layers
-    net = cost.network
-    window = workload.t_pre if gather_window_s is None else gather_window_s
+    ph = cb.phases
     seconds = {
-        "token_a2a": 4 * Lm * raw["a2a"],
-        "expert_gather": Lm * max(0.0, raw["expert_allgather"] - window),
-        "grad_return": Lm * raw["grad_return"],  # compressed_grad_bytes carries gloo's factor 2
-        "expert_grad_allreduce": Lm * raw["expert_grad_allreduce"],
+        "token_a2a": (ph["token_a2a_fwd"] + ph["token_a2a_bwd"]) / a2a_efficiency,
+        "expert_gather": ph["expert_allgather"],
+        "grad_return": ph["grad_return"],
+        "shared_sync": ph["shared_sync"],
+        "expert_grad_allreduce": ph["expert_grad_allreduce"],
     }
     world = topology.world_size
-    dense = net.ring(Family(topology.level_counts, (1,) * len(topology.levels)),
-                     2 * (world - 1) / world * dense_params * FP32, 2 * (world - 1))
+    dense = cost.network.ring(Family(topology.level_counts, (1,) * len(topology.levels)),
+                              2 * (world - 1) / world * dense_params * FP32, 2 * (world - 1))
     seconds["dense_grad_allreduce"] = dense.seconds
     # bytes through a DC uplink (level 0), one direction, per iteration
     dc = next(lv for lv in cb.levels if lv.name == topology.levels[0].name)
-    uplink = dc.uplink_bytes + dense.uplink_bytes[0]
-    return NetworkTime(seconds, uplink)
+    return NetworkTime(seconds, dc.uplink_bytes + dense.uplink_bytes[0])
 
 
 @dataclass(frozen=True)
 class Prediction:
-    total: float  # predicted step seconds
+    total: float  # predicted step seconds (token all-to-alls calibrated by the probe)
     base: float  # measured unshaped step seconds it starts from
-    phases: dict[str, float]  # shaped - unshaped network seconds per phase
-    planner_total: float  # the cost model's own total (its overlap assumptions, no residual)
+    phases: dict[str, float]  # shaped - unshaped network seconds per phase (calibrated)
+    planner_total: float  # the cost model's own total (compute from T_pre and the expert speed, no residual)
     dc_uplink_bytes: float  # predicted payload per DC uplink and direction per iteration
+    uncalibrated_total: float  # the same with the all-to-alls at the TCP goodput of the rate
 
 
 def predict(shaped: Topology, unshaped: Topology, workload: Workload, plan: Plan, dense_params: int,
-            unshaped_step_s: float, gather_window_s: float | None = None) -> Prediction:
-    hi = network_time(shaped, workload, plan, dense_params, gather_window_s)
-    lo = network_time(unshaped, workload, plan, dense_params, gather_window_s)
+            unshaped_step_s: float, a2a_efficiency: float = 1.0) -> Prediction:
+    """a2a_efficiency: share of the shaped rate a bare all-to-all of this size got (1 = none measured)."""
+    hi = network_time(shaped, workload, plan, dense_params, a2a_efficiency)
+    raw = network_time(shaped, workload, plan, dense_params)
+    lo = network_time(unshaped, workload, plan, dense_params)
     phases = {k: hi.seconds[k] - lo.seconds[k] for k in PHASES}
+    uncal = unshaped_step_s + raw.total - lo.total
     planner = CostModel(shaped, workload).evaluate(plan).total
-    return Prediction(unshaped_step_s + sum(phases.values()), unshaped_step_s, phases, planner, hi.dc_uplink_bytes)
+    return Prediction(unshaped_step_s + sum(phases.values()), unshaped_step_s, phases, planner, hi.dc_uplink_bytes,
+                      uncal)
 
 
 def plan_for_point(topology: Topology, workload: Workload, ep_size: int) -> PlanningResult:

@@ -11,10 +11,9 @@ from typing import IO, Any
 
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.testbed import bench_predict as bp
-from megatron_hybridep.testbed.bench_config import SYSTEMS, BenchConfig, BenchError
+from megatron_hybridep.testbed.bench_config import COMPRESSED, SYSTEMS, BenchConfig, BenchError
 from megatron_hybridep.testbed.network import Testbed
 from megatron_hybridep.testbed.selfcheck import TCP_GOODPUT_FRACTION, measure_throughput
-from megatron_hybridep.testbed.sh import sh
 
 PROBE_S = 0.4  # seconds per bandwidth probe (unshaped cross-DC and intra-DC)
 PROBE_REPEATS = 3  # bare all-to-alls on the shaped WAN
@@ -52,7 +51,7 @@ class Session:
     shaped: bool = True
     candidates: list[Plan] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)  # rank 0's, from the control requests
-    chosen: dict[int, Plan] = field(default_factory=dict)  # HybridEP's plan per point
+    chosen: dict[tuple[int, str], Plan] = field(default_factory=dict)  # HybridEP's plan per (point, system)
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,10 +73,8 @@ class Session:
             self.info["_counters"] = now
         elif (before := self.info.pop("_counters", None)) is not None:  # a shaped segment ended: its bytes (tx)
             self.info["shaped_tx_bytes"] += sum(b.tx_bytes - a.tx_bytes for a, b in zip(before, now, strict=True))
-        for dc in range(self.tb.dcs):
+        for dc in range(self.tb.dcs):  # the testbed keeps its HTB burst setting (TestbedConfig.burst_ms)
             self.tb.set_rate(dc, self.cfg.rate_mbit if shaped else None)
-            if shaped and self.cfg.burst_ms > 0:
-                tighten_burst(self.tb, dc, self.cfg.rate_mbit, self.cfg.burst_ms)
         self.shaped = shaped
 
     def probe(self) -> None:
@@ -107,46 +104,40 @@ class Session:
             point, system = self.current
             order: dict[str, Any] = {"system": system, "point": self.cfg.points[point],
                                      "warmup": self.cfg.warmup, "iters": self.cfg.iters}
-            if system == "hybridep":  # EP ran first at this point: its calibration feeds the planner
-                order["plans"] = [self.choose_plan(point).to_dict()]
+            if system.startswith("hybridep"):  # EP ran first at this point: its calibration feeds the planner
+                order["plans"] = [self.choose_plan(point, system).to_dict()]
+            if system == COMPRESSED:
+                order["compression_ratio"] = self.cfg.compression_ratio
             return order
         if op == "shape":
             assert self.current is not None
             self.set_shaped(True)
-            return {"measure": [0] if self.current[1] == "hybridep" else [None]}
+            return {"measure": [0] if self.current[1].startswith("hybridep") else [None]}
         raise BenchError(f"control: unknown request {request!r} from the rank 0 worker")
 
     def topology(self, shaped: bool) -> Any:
         wan = self.cfg.rate_mbit * TCP_GOODPUT_FRACTION if shaped else self.info["unshaped_wan_mbit"]
         return bp.testbed_topology(self.cfg.dcs, self.cfg.ranks_per_dc, wan, self.info["intra_mbit"])
 
-    def workload(self, point: dict[str, int], events: list[dict[str, Any]]) -> Any:
-        """Workload of a point, fed with EP's unshaped compute timings (per step, all layers)."""
+    def workload(self, point: dict[str, int], events: list[dict[str, Any]], system: str = "ep") -> Any:
+        """Workload of a point, fed with EP's unshaped compute timings (per step, all layers); the
+        compressed system's codec ratio and shared-expert refresh bytes (reported by its ranks)."""
         e = next(e for e in events if e["event"] == "point" and e["phase"] == "calibrate" and e["system"] == "ep"
                  and e["point"] == point["index"])
         r = e["ranks"]
         calib = bp.Calibration(r["t_pre"], r["expert_fwd"], r["expert_rows"])
-        return calib.workload(self.cfg.model, point["tokens"], point["seq"])
+        if system != COMPRESSED:
+            return calib.workload(self.cfg.model, point["tokens"], point["seq"])
+        sync = next((m.get("shared_sync_bytes_per_layer", 0.0) for m in events if m["event"] == "model"
+                     and m["system"] == COMPRESSED), 0.0)
+        return calib.workload(self.cfg.model, point["tokens"], point["seq"], self.cfg.compression_ratio, sync)
 
-    def choose_plan(self, point: int) -> Plan:
-        """The planner's HybridEP plan for this point, from EP's calibration of it."""
-        result = bp.plan_for_point(self.topology(shaped=True), self.workload(self.cfg.points[point], self.events),
-                                   self.cfg.world)
+    def choose_plan(self, point: int, system: str = "hybridep") -> Plan:
+        """The planner's HybridEP plan for this point and system, from EP's calibration of it."""
+        work = self.workload(self.cfg.points[point], self.events, system)
+        result = bp.plan_for_point(self.topology(shaped=True), work, self.cfg.world)
         plan = bp.best_domains_plan(result)
-        self.chosen[point] = plan
-        self.info["chosen"][point], self.info["planner_best"][point] = plan.label, result.best.label
+        self.chosen[(point, system)] = plan
+        self.info["chosen"][f"{point} {system}"] = plan.label
+        self.info["planner_best"][f"{point} {system}"] = result.best.label
         return plan
-
-
-def tighten_burst(tb: Testbed, dc: int, mbit: float, burst_ms: float) -> None:
-    """Shrink the HTB bucket of DC dc's uplink (both ends) to burst_ms at the rate (>= 2 frames).
-
-    The testbed's bucket holds >= 70 KB (14 ms at 40 Mbit/s): after every idle gap (compute) the next
-    collective's first 70 KB pass at veth speed, so the small all-to-alls of the low points ran almost
-    unshaped. A real WAN link banks no idle time. The testbed has no burst setting (reported), so this
-    changes its HTB class in place after each set_rate()."""
-    burst = max(int(mbit * 1e6 / 8 * burst_ms / 1e3), 2 * 1514)
-    rate = f"{round(mbit * 1000)}kbit"
-    for ns, dev in tb._ends(dc):  # noqa: SLF001 - see the docstring
-        sh(["tc", "-n", ns, "class", "change", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate,
-            "ceil", rate, "burst", str(burst), "cburst", str(burst), "quantum", "1514"])

@@ -187,7 +187,7 @@ class Worker:
             return GPTMoEArgs(**model, dispatcher="alltoall", expert_model_parallel_size=self.world)
         if system == "replicated":  # EP inside each DC (contiguous rank blocks), experts replicated across DCs
             return GPTMoEArgs(**model, dispatcher="alltoall", expert_model_parallel_size=self.ranks_per_dc)
-        if system == "hybridep":
+        if system in ("hybridep", "hybridep-compressed"):
             return GPTMoEArgs(**model, dispatcher="hybridep", expert_model_parallel_size=self.world)
         raise ValueError(f"unknown system {system!r}")
 
@@ -204,9 +204,12 @@ class Worker:
         t0 = time.perf_counter()
         initialize_parallel(args)
         runtime = None
-        if system == "hybridep":
+        migration, sync_bytes = None, 0.0
+        if system.startswith("hybridep"):
             plans = [Plan.from_dict(p) for p in order["plans"]]
-            runtime = setup(plans, num_experts=args.num_experts)
+            if order.get("compression_ratio"):
+                migration, sync_bytes = self._migration(order["compression_ratio"])
+            runtime = setup(plans, num_experts=args.num_experts, migration=migration)
         state = build(args)
         gpt = state.model.module
         timer = PhaseTimer(gpt)
@@ -222,7 +225,9 @@ class Worker:
             dense = sum(p.numel() for p in gpt.parameters() if getattr(p, "allreduce", True))
             experts = sum(p.numel() for p in gpt.parameters() if not getattr(p, "allreduce", True))
             emit("model", system=system, point=point["index"], dense_params=dense, expert_params_per_rank=experts,
-                 ep_size=args.expert_model_parallel_size, build_s=time.perf_counter() - t0)
+                 ep_size=args.expert_model_parallel_size, build_s=time.perf_counter() - t0,
+                 compression_ratio=migration.compression_ratio if migration else 1.0,
+                 shared_sync_bytes_per_layer=sync_bytes)
         indices = list(range(len(order["plans"]))) if runtime is not None else [None]
         with timer.grad_sync():
             for phase in ("calibrate", "measure"):
@@ -239,6 +244,20 @@ class Worker:
             teardown()
         del state
         dist.barrier()
+
+    def _migration(self, ratio: float) -> tuple[Any, float]:
+        """Compressed migration (weights and returned gradients at `ratio`) and its shared-expert
+        refresh bytes per MoE layer and step for the cost model (0 when the copies are refreshed
+        incrementally, or the shared expert is frozen)."""
+        from megatron_hybridep.runtime.compression import SharedExpertRule
+        from megatron_hybridep.runtime.migration import MigrationConfig
+
+        cfg = MigrationConfig(compression_ratio=ratio, grad_compression_ratio=ratio)
+        m = self.spec["model"]
+        expert = 2 * m["hidden_size"] * m["ffn_hidden_size"]
+        sync = 0.0 if getattr(cfg, "incremental", False) else \
+            SharedExpertRule(cfg.shared_refresh_every).sync_bytes_per_step(expert, torch.float32)
+        return cfg, sync
 
     # ---- one point ------------------------------------------------------------------------------
     def run_point(self, phase: str, system: str, label: str, plan_index: int | None, point: dict[str, Any],

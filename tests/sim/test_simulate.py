@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from megatron_hybridep.plan.cost import CostModel
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.plan import Plan
-from megatron_hybridep.plan.topology import LinkOverride, Topology
+from megatron_hybridep.plan.topology import Level, LinkOverride, Topology
 from megatron_hybridep.plan.workload import zipf_routing
 from megatron_hybridep.sim.schedule import PHASES, SimOptions
 from megatron_hybridep.sim.simulate import simulate
@@ -184,10 +184,13 @@ def test_shared_expert_refresh_once_per_layer_per_step():
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("comp", [1.0, 20.0])
 @pytest.mark.parametrize("sizes", [(1, 1), (2, 1), (2, 2), "replicated"])
-def test_tier_b_is_the_closed_form_of_the_runtime_schedule(sizes, comp, m):
-    """With no latency, intra-DC links ~free (so the all-to-alls a gather also overlaps take no time
-    and nothing shares a link), tier b (plan/cost.py) and the simulator agree per phase."""
-    topo = two_level(2, 2, wan=0.05, lan=1e6)
+@pytest.mark.parametrize("lan", [1e6, 0.5])
+def test_tier_b_is_the_closed_form_of_the_runtime_schedule(sizes, comp, m, lan):
+    """With no latency, on 2 DCs x 2 (a plan's gathers and all-to-alls never share a link level),
+    tier b (plan/cost.py) and the simulator agree per phase: lan=0.5 Gbit/s makes the intra-DC
+    all-to-alls a gather overlaps take real time (cover), lan=1e6 makes them free. The testbed's
+    shape: DC uplinks, ranks of a DC joined by links without a per-rank uplink."""
+    topo = Topology((Level("dc", 2, 0.05, 0.0, 0.05), Level("gpu", 2, lan, 0.0, None)), name="2x2")
     w = workload(8, micro_batches=m, compression_ratio=comp, grad_compression_ratio=comp,
                  shared_sync_bytes_per_layer=1e5 if comp > 1 else 0.0, t_pre_ms=0.5)
     plan = Plan.replicated((2, 2), 8, ("dc", "gpu")) if sizes == "replicated" else domains(topo, 4, sizes, 8)
