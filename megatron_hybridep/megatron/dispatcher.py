@@ -80,10 +80,20 @@ def instrument(dispatcher: MoEAlltoAllTokenDispatcher, stats: Stats, layer: int,
 
 
 class HybridEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
-    def __init__(self, *args: Any, order: list[int], **kwargs: Any) -> None:
+    """``masked``: hot-expert replicas remove (token, expert) pairs from the routing map, so tokens no
+    longer carry exactly top-k pairs; the permuted size is counted instead of assumed."""
+
+    def __init__(self, *args: Any, order: list[int], masked: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.order = torch.as_tensor(order, dtype=torch.long)
         self.identity = bool(torch.equal(self.order, torch.arange(len(order))))
+        self.masked = masked
+
+    def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
+        out = super().preprocess(routing_map)
+        if self.masked and not self.drop_and_pad:
+            self.num_out_tokens = int(routing_map.sum())
+        return out
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor,
                             probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

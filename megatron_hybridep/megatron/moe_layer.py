@@ -7,7 +7,12 @@ behaves exactly like MoELayer unless ``config.moe_token_dispatcher_type == "hybr
   with the experts renumbered domain-major so that 'rail position j' = 'domain j' holds a
   contiguous block of S*L experts (see ``expert_order``);
 - the experts module is Megatron's (same parameters, same checkpoint keys as plain EP); borrowed
-  peers' experts run through the same module with ``torch.func.functional_call``.
+  peers' experts run through the same module with ``torch.func.functional_call``;
+- hot-expert replicas (plan.replicas): a rank computes its own tokens for the experts it holds
+  replicas of before dispatch (replica_experts.py) and adds them to the combined output;
+- fast path: with a plan of domain size 1 and no replicas the layer runs MoELayer's own forward with
+  a Megatron alltoall dispatcher (over the EP group itself when the rail is that group), i.e.
+  Megatron's plain EP path; only the routing/bytes instrumentation stays on.
 
 Checked against megatron-core 0.19.2 (MoELayer.__init__ / routed_experts_compute / dispatcher API).
 """
@@ -16,17 +21,22 @@ from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from torch.func import functional_call
 
 from megatron_hybridep.megatron.dispatcher import HybridEPTokenDispatcher, expert_order, instrument
+from megatron_hybridep.megatron.replica_experts import replica_experts
 from megatron_hybridep.runtime.context import HybridEPRuntime, get_runtime
-from megatron_hybridep.runtime.groups import PlanGroups
+from megatron_hybridep.runtime.groups import PlanGroups, crossing_level
 from megatron_hybridep.runtime.migration import DomainGather, SharedExpert
+from megatron_hybridep.runtime.replication import ReplicaExchange
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +60,20 @@ def _check_config(config: Any) -> None:
         problems.append("moe_latent_size is not supported with hybridep")
     if problems:
         raise HybridEPConfigError("--moe-token-dispatcher-type hybridep: " + "; ".join(problems))
+
+
+@dataclass
+class PlanState:
+    """One plan's machinery in one layer."""
+
+    dispatcher: MoEAlltoAllTokenDispatcher
+    gather: DomainGather | None = None       # domain size > 1
+    replicas: ReplicaExchange | None = None  # plan.replicas
+
+    @property
+    def plain(self) -> bool:
+        """Megatron's EP path unchanged (domain size 1, no replicas)."""
+        return self.gather is None and self.replicas is None
 
 
 class HybridEPMoELayer(MoELayer):
@@ -81,10 +105,14 @@ class HybridEPMoELayer(MoELayer):
                         if cfg.compresses_weights and cfg.use_shared else None)
         self._plan_state = [self._build_for_plan(g, pg_collection) for g in runtime.groups]
         self._index = runtime.register_layer(self)
-        self.token_dispatcher = self._plan_state[runtime.active][0]
+        self._replica_out: torch.Tensor | None = None
+        self.token_dispatcher = self._plan_state[runtime.active].dispatcher
 
-    def _build_for_plan(self, groups: PlanGroups, pg_collection: Any) -> tuple[HybridEPTokenDispatcher,
-                                                                                 DomainGather | None]:
+    @property
+    def _active(self) -> PlanState:
+        return self._plan_state[self._runtime.active]
+
+    def _build_for_plan(self, groups: PlanGroups, pg_collection: Any) -> PlanState:
         plan, local = groups.plan, self.num_local_experts
         if plan.num_experts != self.config.num_moe_experts:
             raise HybridEPConfigError(f"plan {plan.label} has num_experts={plan.num_experts} but the model has "
@@ -94,49 +122,87 @@ class HybridEPMoELayer(MoELayer):
         rail_pgs.ep = groups.rail
         rail_pgs.tp_ep = groups.rail  # expert TP is 1 (checked)
         first = groups.domain_index * domain_size * local
-        dispatcher = HybridEPTokenDispatcher(
-            domain_size * local, list(range(first, first + domain_size * local)), config=self.config,
-            pg_collection=rail_pgs, order=expert_order(plan, local))
-        gather = None
+        experts = list(range(first, first + domain_size * local))
+        if plan.replicas and self.config.moe_expert_capacity_factor is not None:
+            raise HybridEPConfigError(f"plan {plan.label}: hot-expert replicas change which tokens a capacity "
+                                      "factor drops; use a plan without replicas or drop "
+                                      "--moe-expert-capacity-factor")
+        if domain_size == 1 and not plan.replicas:  # Megatron's own dispatcher, over its EP group if the rail
+            same = dist.get_process_group_ranks(pg_collection.ep) == list(groups.rail_ranks)
+            dispatcher = MoEAlltoAllTokenDispatcher(local, experts, config=self.config,
+                                                    pg_collection=pg_collection if same else rail_pgs)
+        else:
+            dispatcher = HybridEPTokenDispatcher(domain_size * local, experts, config=self.config,
+                                                 pg_collection=rail_pgs, order=expert_order(plan, local),
+                                                 masked=bool(plan.replicas))
+        gather = replicas = None
         if domain_size > 1:
             gather = DomainGather(list(self.experts.named_parameters()), groups.domain, groups.domain_position,
                                   layer=self._layer_key(), stats=self._runtime.stats, levels=groups.domain_levels,
                                   num_local=local, config=self._runtime.migration, shared=self._shared)
+        if plan.replicas:
+            levels = tuple(crossing_level(plan, groups.ep_rank, q) for q in range(plan.ep_size))
+            replicas = ReplicaExchange(list(self.experts.named_parameters()), local, plan, groups.ep_rank,
+                                       self._runtime.ep_group, layer=self._layer_key(), stats=self._runtime.stats,
+                                       levels=levels)
         instrument(dispatcher, self._runtime.stats, self._layer_key(), groups.rail_levels)
-        return dispatcher, gather
+        return PlanState(dispatcher, gather, replicas)
 
     def _layer_key(self) -> int:
         return int(self.layer_number or 0)
 
     # ---- runtime hooks ---------------------------------------------------------------------
     def start_gather(self) -> None:
-        gather = self._plan_state[self._runtime.active][1]
-        if gather is not None:
-            gather.start()
+        state = self._active
+        if state.gather is not None:
+            state.gather.start()
+        if state.replicas is not None:
+            state.replicas.start()
 
     def on_step(self, step: int) -> None:
-        for _, gather in self._plan_state:
-            if gather is not None:
-                gather.on_step(step)
+        for state in self._plan_state:
+            if state.gather is not None:
+                state.gather.on_step(step)
+
+    def encode_ahead(self) -> None:
+        gather = self._active.gather
+        if gather is not None:
+            gather.encode_ahead()
 
     def drop_gather(self) -> None:
-        for _, gather in self._plan_state:
-            if gather is not None:
-                gather.drop()
+        for state in self._plan_state:
+            if state.gather is not None:
+                state.gather.drop()
+            if state.replicas is not None:
+                state.replicas.drop()
 
     # ---- MoELayer overrides ----------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):  # noqa: ANN201
         if self.hybridep:
-            self.token_dispatcher = self._plan_state[self._runtime.active][0]
-            self.start_gather()  # usually already in flight (prefetched); overlaps routing if not
+            state = self._active
+            self.token_dispatcher = state.dispatcher
+            if not state.plain:
+                self.start_gather()  # usually already in flight (prefetched); overlaps routing if not
         return super().forward(hidden_states, *args, **kwargs)
 
+    def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):  # noqa: ANN201
+        exchange = self._active.replicas if self.hybridep else None
+        if exchange is not None:
+            hidden_states, routing_map, self._replica_out = replica_experts(
+                self.experts, exchange, hidden_states, probs, routing_map, self._runtime.stats, self._layer_key())
+        return super().preprocess(hidden_states, probs, routing_map)
+
+    def postprocess(self, output: torch.Tensor, shared_expert_output: torch.Tensor | None):  # noqa: ANN201
+        output = super().postprocess(output, shared_expert_output)
+        local, self._replica_out = getattr(self, "_replica_out", None), None
+        return output if local is None else output + local.view_as(output)
+
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):  # noqa: ANN201
-        if not self.hybridep:
+        if not self.hybridep or self._active.plain:
             return super().routed_experts_compute(hidden_states, probs)
         dispatched, tokens_per_expert, permuted_probs = self.token_dispatcher.dispatch_postprocess(
             hidden_states, probs)
-        gather = self._plan_state[self._runtime.active][1]
+        gather = self._active.gather
         if gather is None:
             expert_output, bias = self.experts(dispatched, tokens_per_expert, permuted_probs)
         else:

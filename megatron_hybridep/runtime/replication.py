@@ -1,0 +1,136 @@
+"""Hot-expert replicas at run time: ship the owners' weights of replicated experts to the ranks that
+hold replicas (plan.replicas), and return the replicas' gradients to the owners (the transpose).
+
+One ``ReplicaExchange`` per MoE layer and plan. Both directions are one all-to-all over the EP group
+(every rank joins, most with empty splits): forward, each owner sends expert e's flat weights to
+every replica rank of e; backward, each replica rank sends the gradient of its copy back, and the
+owner adds it to e's gradient, so owners' gradients equal plain EP's. ``start()`` issues the forward
+asynchronously (prefetched like the domain gather); ``exchange(hidden)`` waits and returns
+autograd-connected copies. The exchange threads the layer's hidden states through the same autograd
+node, so its backward runs after the layer's own backward collectives on every rank, in the same
+order (a collective whose place in the backward differed between ranks could deadlock).
+Replicas are always exact (the codec of the domain gather is not applied to them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_hybridep.plan.plan import Plan
+from megatron_hybridep.runtime.instrument import Stats
+from megatron_hybridep.runtime.migration import expert_major
+
+
+class _Pending:
+    def __init__(self, recv: torch.Tensor, handle: dist.Work, started: float) -> None:
+        self.recv, self.handle, self.started = recv, handle, started
+
+
+class _Exchanged(torch.autograd.Function):
+    """(hidden, own experts) -> (hidden, replica weights); backward: gradients back to owners."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, flat_own: torch.Tensor, pending: _Pending,  # noqa: ANN001
+                owner: ReplicaExchange) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.owner = owner
+        return hidden.view_as(hidden), owner._finish(pending)
+
+    @staticmethod
+    def backward(ctx, grad_hidden: torch.Tensor, grad_recv: torch.Tensor):  # noqa: ANN001, ANN205
+        return grad_hidden, ctx.owner._return_grads(grad_recv), None, None
+
+
+class ReplicaExchange:
+    """Replica weights of one MoE layer under one plan, for this EP rank."""
+
+    def __init__(self, params: Sequence[tuple[str, torch.nn.Parameter]], num_local: int, plan: Plan,
+                 ep_rank: int, group: dist.ProcessGroup, layer: int = 0, stats: Stats | None = None,
+                 levels: Sequence[str] | None = None) -> None:
+        ordered = expert_major(params, num_local)
+        self.names = [n for n, _ in ordered]
+        self.params = [p for _, p in ordered]
+        self.group, self.layer, self.stats, self.num_local = group, layer, stats, num_local
+        self.per_param = len(self.params) // num_local          # tensors per expert
+        self.row = sum(p.numel() for p in self.params) // num_local  # elements per expert
+        self.levels = tuple(levels) if levels is not None else ("all",) * plan.ep_size
+        G, L, me = plan.ep_size, plan.experts_per_rank, ep_rank
+        pairs = plan.replicas.pairs
+        # sends ordered by (destination, expert); receives by (owner, expert): the same order on both ends
+        self.send_rows = torch.tensor([e - me * L for e, r in sorted(pairs, key=lambda p: (p[1], p[0]))
+                                       if e // L == me], dtype=torch.long)
+        self.experts = tuple(sorted((e for e, r in pairs if r == me), key=lambda e: (e // L, e)))
+        self.in_splits = [self.row * sum(1 for e, r in pairs if r == q and e // L == me) for q in range(G)]
+        self.out_splits = [self.row * sum(1 for e in self.experts if e // L == q) for q in range(G)]
+        self._pending: _Pending | None = None
+
+    def _flat(self, detach: bool) -> torch.Tensor:
+        return torch.cat([(p.detach() if detach else p).reshape(-1) for p in self.params])
+
+    def start(self) -> None:
+        """Issue the weight all-to-all now (no-op if in flight). Weights must not change until
+        ``exchange``: call after the optimizer step or within the forward pass."""
+        if self._pending is not None:
+            return
+        flat = self._flat(detach=True).view(self.num_local, self.row)
+        send = flat.index_select(0, self.send_rows).reshape(-1)
+        recv = flat.new_empty(sum(self.out_splits))
+        handle = dist.all_to_all_single(recv, send, self.out_splits, self.in_splits, group=self.group,
+                                        async_op=True)
+        self._pending = _Pending(recv, handle, time.perf_counter())
+
+    def exchange(self, hidden: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, list[torch.Tensor]]]]:
+        """``hidden`` (threaded through) and, per replicated expert this rank holds, its weight
+        tensors in the order of one local expert's parameters (see ``slot_names``)."""
+        self.start()
+        pending, self._pending = self._pending, None
+        hidden, recv = _Exchanged.apply(hidden, self._flat(detach=False), pending, self)
+        shapes = [p.shape for p in self.params[: self.per_param]]
+        out = []
+        for e, row in zip(self.experts, recv.view(len(self.experts), self.row) if self.experts else (), strict=True):
+            tensors, offset = [], 0
+            for shape in shapes:
+                n = shape.numel()
+                tensors.append(row[offset:offset + n].view(shape))
+                offset += n
+            out.append((e, tensors))
+        return hidden, out
+
+    def slot_names(self, slot: int) -> list[str]:
+        """Parameter names of local expert slot ``slot`` (a replica runs in a slot's place)."""
+        return self.names[slot * self.per_param:(slot + 1) * self.per_param]
+
+    # ---- called by _Exchanged ------------------------------------------------------------------
+    def _finish(self, pending: _Pending) -> torch.Tensor:
+        t0 = time.perf_counter()
+        pending.handle.wait()
+        self._count("replica_weights", self.in_splits, time.perf_counter() - t0, time.perf_counter() - pending.started)
+        return pending.recv
+
+    def _return_grads(self, grad_recv: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        grad_send = grad_recv.new_empty(sum(self.in_splits))
+        dist.all_to_all_single(grad_send, grad_recv.contiguous(), self.in_splits, self.out_splits, group=self.group)
+        grad = grad_recv.new_zeros(self.num_local, self.row)
+        grad.index_add_(0, self.send_rows, grad_send.view(-1, self.row))
+        self._count("replica_grad_return", self.out_splits, time.perf_counter() - t0)
+        return grad.view(-1)
+
+    def _count(self, phase: str, splits: list[int], seconds: float, wall: float = 0.0) -> None:
+        """Bytes this rank sends, per destination's link level, and the time."""
+        if self.stats is None:
+            return
+        self.stats.add(self.layer, phase, "ep", 0, seconds, wall=wall)
+        size = self.params[0].element_size()
+        for q, n in enumerate(splits):
+            if n:
+                self.stats.add(self.layer, phase, "ep", n * size, 0.0, level=self.levels[q])
+
+    def drop(self) -> None:
+        """Forget an in-flight exchange (plan switch)."""
+        if self._pending is not None:
+            self._pending.handle.wait()
+        self._pending = None
