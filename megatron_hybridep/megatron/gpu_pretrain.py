@@ -104,17 +104,60 @@ def _after_each_step() -> None:
     training.train_step = train_step
 
 
+def _hybridep_in_every_parser() -> None:
+    """Megatron re-parses sys.argv with its own parser inside pretrain() (ft_integration.setup,
+    unknown flags ignored, but the dispatcher choice still checked): make every parser it builds
+    accept 'hybridep'. Checked against 0.19.2."""
+    from megatron.training import arguments
+
+    from megatron_hybridep.megatron.arguments import _allow_hybridep_dispatcher
+
+    inner = arguments.add_megatron_arguments
+    if getattr(inner, "_hybridep", False):
+        return
+
+    def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser = inner(parser)
+        _allow_hybridep_dispatcher(parser)
+        return parser
+
+    add_megatron_arguments._hybridep = True  # type: ignore[attr-defined]
+    arguments.add_megatron_arguments = add_megatron_arguments
+
+
+def _use_prebuilt_dataset_helpers() -> None:
+    """The megatron-core wheel ships the dataset index helpers prebuilt (helpers_cpp) but not their
+    Makefile, and megatron.training still runs `make` on rank 0 at start-up, which then exits.
+    Skip the build only when the prebuilt module imports; a source checkout keeps Megatron's."""
+    import importlib.util
+    import os
+
+    from megatron.core.datasets import utils
+
+    here = os.path.dirname(utils.__file__)
+    if os.path.exists(os.path.join(here, "Makefile")) or importlib.util.find_spec(
+            "megatron.core.datasets.helpers_cpp") is None:
+        return
+    utils.compile_helpers = lambda: None
+
+
 def pretrain(args: argparse.Namespace) -> int:
-    """Hand the (preset-merged) command line to Megatron's pretrain()."""
+    """Hand the (preset-merged) command line to Megatron's pretrain(), the way pretrain_gpt.py of
+    megatron-core 0.19 does: parse + validate (our flags added), build the config container, run."""
     from megatron.core.enums import ModelType
-    from megatron.training import pretrain as megatron_pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.training import pretrain as megatron_pretrain
 
     from megatron_hybridep.megatron import register
 
     register()
     _after_each_step()
+    _hybridep_in_every_parser()
+    _use_prebuilt_dataset_helpers()
     _datasets_provider.is_distributed = True
     sys.argv = ["pretrain_moe.py", *args.argv]
-    megatron_pretrain(_datasets_provider, _model_provider, ModelType.encoder_or_decoder, _forward_step,
-                      extra_args_provider=add_hybridep_args)
+    margs = parse_and_validate_args(extra_args_provider=add_hybridep_args)
+    megatron_pretrain(pretrain_cfg_container_from_args(margs), _datasets_provider, ModelType.encoder_or_decoder,
+                      _forward_step, model_provider=_model_provider)
     return 0

@@ -29,3 +29,18 @@ def test_megatron_train_step_is_wrapped_once_and_calls_the_runtime(monkeypatch):
     monkeypatch.setattr(context, "_RUNTIME", None)
     training.train_step()
     assert calls == ["megatron", "runtime", "megatron"]
+
+
+def test_megatron_own_reparse_accepts_the_hybridep_dispatcher(monkeypatch):
+    """pretrain() re-parses sys.argv with Megatron's bare parser (fault-tolerance setup)."""
+    arguments = pytest.importorskip("megatron.training.arguments")
+    from megatron_hybridep.megatron import gpu_pretrain
+
+    monkeypatch.setattr(arguments, "add_megatron_arguments", arguments.add_megatron_arguments)
+    monkeypatch.setattr("sys.argv", ["pretrain_moe.py", "--moe-token-dispatcher-type", "hybridep",
+                                     "--hybridep-plan", "ep"])
+    with pytest.raises(SystemExit):
+        arguments.parse_args(ignore_unknown_args=True)
+    gpu_pretrain._hybridep_in_every_parser()
+    gpu_pretrain._hybridep_in_every_parser()
+    assert arguments.parse_args(ignore_unknown_args=True).moe_token_dispatcher_type == "hybridep"
