@@ -16,7 +16,7 @@ from megatron_hybridep.testbed.network import Testbed
 from megatron_hybridep.testbed.selfcheck import TCP_GOODPUT_FRACTION, measure_throughput
 
 PROBE_S = 0.4  # seconds per bandwidth probe (unshaped cross-DC and intra-DC)
-PROBE_REPEATS = 3  # bare all-to-alls on the shaped WAN
+PROBE_REPEATS = 5  # bare all-to-alls on the shaped WAN (median)
 
 
 class Progress:

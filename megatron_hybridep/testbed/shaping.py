@@ -5,7 +5,10 @@ A single HTB class (not TBF) lets `set_rate` change the rate with `tc class chan
 flows, without resetting the queue. The HTB bucket (burst) defaults to >= 70 KB (one 64 KiB GSO
 super-packet); ``burst_ms`` sets it to that many ms at the rate instead (>= 2 frames), like a real
 link that banks no idle time: with the default bucket a collective after an idle gap (compute)
-passes its first 70 KB at veth speed, so small collectives run almost unshaped. The uplink is shaped on both ends of its veth pair (egress of
+passes its first 70 KB at veth speed, so small collectives run almost unshaped. With ``burst_ms``
+the device also stops building GSO super-packets (gso_max_segs 1): HTB lets one packet through
+whenever its bucket is positive, so a 64 KB GSO packet would pass a 6 KB bucket whole (measured:
+a 64 KB send after idle took 5.9 ms instead of 11 ms at 50 Mbit/s; with this, 10.0 ms). The uplink is shaped on both ends of its veth pair (egress of
 the DC side and egress of the switch-side port), so both directions are limited.
 """
 
@@ -22,6 +25,7 @@ _RATE_UNITS_BYTE = {"bps": 8.0, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
 _TIME_UNITS = {"": 1.0, "ms": 1.0, "msec": 1.0, "s": 1e3, "sec": 1e3, "us": 1e-3, "usec": 1e-3}
 _NUM = r"(\d+(?:\.\d*)?|\.\d+)"
 MAX_FRAME = 1514  # bytes of a full Ethernet frame at MTU 1500
+GSO_MAX_SEGS_DEFAULT = 65535  # the kernel's default segments per GSO packet
 
 
 def parse_rate_mbit(text: str | float | int | None) -> float | None:
@@ -171,6 +175,9 @@ def apply(ns: str, dev: str, shape: LinkShape) -> None:
             if "unknown" in str(exc).lower():
                 raise _netem_missing(exc) from exc
             raise
+    if shape.burst_ms is not None:  # wire-size packets under a small bucket (module doc)
+        segs = 1 if shape.rate_mbit is not None else GSO_MAX_SEGS_DEFAULT
+        sh(["ip", "-n", ns, "link", "set", "dev", dev, "gso_max_segs", str(segs)])
 
 
 def change_rate(ns: str, dev: str, old: LinkShape, new_rate_mbit: float | None) -> LinkShape:
