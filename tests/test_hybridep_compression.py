@@ -148,3 +148,35 @@ def test_encoding_right_after_the_step_gives_the_same_copies():
     ahead = run_ranks(_incremental_copies, 2, True, True, True, timeout=120)
     for a, b in zip(now, ahead, strict=True):
         assert a["drifting"] == b["drifting"] and a["wire"] == b["wire"]
+
+
+def _common_drift(ctx, use_shared, numel=64, ratio=8.0, steps=12):
+    """Both experts move by the same large vector each step (drift common to all experts); the
+    shared expert is refreshed every step. Returns the copy error after each step."""
+    import torch.distributed as dist
+
+    from megatron_hybridep.runtime.migration import DomainGather, MigrationConfig, SharedExpert
+
+    weights = torch.randn(ctx.world_size, numel, generator=torch.Generator().manual_seed(3))
+    common = torch.randn(numel, generator=torch.Generator().manual_seed(5)) * 0.05
+    own = torch.nn.Parameter(weights[ctx.rank].clone())
+    shared = SharedExpert(dist.group.WORLD, ctx.world_size, refresh_every=1) if use_shared else None
+    gather = DomainGather([("weight", own)], dist.group.WORLD, ctx.rank, shared=shared,
+                          config=MigrationConfig(ratio, use_shared=use_shared, shared_refresh_every=1))
+    errors = []
+    for step in range(1, steps + 1):
+        errors.append((gather.borrowed()[1 - ctx.rank]["weight"].detach() - weights[1 - ctx.rank]).abs().max().item())
+        weights += common
+        with torch.no_grad():
+            own.copy_(weights[ctx.rank])
+        gather.on_step(step)
+    return errors
+
+
+def test_shared_refresh_moves_every_copy_by_the_common_drift():
+    with_shared = run_ranks(_common_drift, 2, True, timeout=120)
+    plain = run_ranks(_common_drift, 2, False, timeout=120)
+    for s, p in zip(with_shared, plain, strict=True):
+        # after 8 gathers the expert-specific part is shipped; the common drift rides on the refresh
+        assert max(s[8:]) < 1e-5, s
+        assert min(p[8:]) > 0.01, p  # without the shared expert the drift must go through top-k

@@ -10,7 +10,9 @@ Compression (``MigrationConfig``): owners encode top-k(expert - base) with the c
 rebuild base + residual. The base is the shared expert at the first gather (and after a plan
 switch); with ``incremental`` (the default) it is afterwards the copy the peers already hold, so
 each gather ships the largest entries of what the copy still misses (error feedback on weights):
-borrowed copies converge to the owners' weights instead of staying shared + a fixed 2%. Every
+borrowed copies converge to the owners' weights instead of staying shared + a fixed 2%. When the
+shared expert is refreshed, every copy moves by its change, so drift common to all experts costs
+no residual. Every
 peer decodes the same payloads in the same order, so owner and borrowers agree on the copy bit for
 bit without extra traffic. Owners always compute with their exact weights; the gradient computed
 with a borrowed approximation is returned as the owner's gradient (straight-through), exactly or
@@ -166,6 +168,8 @@ class DomainGather:
         # rank holds of every position [S, L, row] (own slot unused); None = rebuild from the shared base
         self._held: torch.Tensor | None = None
         self._copies: torch.Tensor | None = None
+        self._held_shared: torch.Tensor | None = None  # the shared tensor each was last moved with
+        self._copies_shared: torch.Tensor | None = None
         self._encoded: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
 
     @property
@@ -189,9 +193,13 @@ class DomainGather:
         if not self.config.incremental:
             shared = self.shared.update(self._step, rows) if self.shared is not None else None
             return self.codec.encode_batch(rows, shared), shared, None
-        # the shared expert only seeds the copies; afterwards the base is the copy itself
-        shared = self.shared.update(self._step, rows) if self._held is None and self.shared is not None else None
-        base = self._held if self._held is not None else self._initial_base(rows, shared)
+        # the shared expert seeds the copies; afterwards the base is the copy itself, moved by the
+        # shared expert's change at each refresh (drift common to all experts costs no residual)
+        shared = self.shared.update(self._step, rows) if self.shared is not None else None
+        if self._held is None:
+            base = self._initial_base(rows, shared)
+        else:
+            base = self._rebase(self._held, self._held_shared, shared)
         return self._encode_rows(rows, base), shared, base
 
     def encode_ahead(self) -> None:
@@ -209,6 +217,7 @@ class DomainGather:
         self._encoded = None
         if base is not None:  # what the peers will hold once they decode this payload
             self._held = self._decode_rows(payload, base, out=base)  # in place: the base is private
+            self._held_shared = shared
         buffer = payload.new_empty(self.size * payload.numel())
         handle = _all_gather(buffer, payload, group=self.group, async_op=True)
         self._pending = _Pending(buffer, handle, time.perf_counter(), shared)
@@ -251,16 +260,28 @@ class DomainGather:
                 if not self.config.incremental:
                     self.codec.decode_batch(slots[q], pending.shared, out=rows[q])
                     continue
-                base = self._copies[q] if self._copies is not None else self._initial_base(rows[q], pending.shared)
+                if self._copies is None:
+                    base = self._initial_base(rows[q], pending.shared)
+                else:
+                    base = self._rebase(self._copies[q], self._copies_shared, pending.shared)
                 self._decode_rows(slots[q], base, out=rows[q])
             if self.config.incremental:
                 self._copies = rows.detach()  # never written in place: the next gather decodes into a new buffer
+                self._copies_shared = pending.shared
         if self.stats is not None:
             self.stats.add(self.layer, "expert_gather", "domain", 0, time.perf_counter() - t0,
                            wall=time.perf_counter() - pending.started)
             self.stats.add_borrowed(self.layer, (self.size - 1) * self.numel * result.element_size())
             self._count_bytes("expert_gather", self.bytes_per_rank)
         return result
+
+    @staticmethod
+    def _rebase(copy: torch.Tensor, old: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor:
+        """The copy, moved by the shared expert's refresh since it was built (a new tensor when
+        moved, ``copy`` itself otherwise). Owner and peers apply the same shift to the same copy."""
+        if new is None or old is None or new is old:
+            return copy
+        return copy + (new - old).reshape(1, -1)
 
     def _initial_base(self, rows: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
         """The first copy peers build on: the shared expert (plain top-k: zeros), one per expert row."""
