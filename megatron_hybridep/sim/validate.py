@@ -10,14 +10,18 @@ Two CSV layouts are read.
    (``calibrate``): the compute estimate is scaled until the simulated unshaped step equals the
    measured one, then the shaped testbed is simulated with it (method ``calibrated``, default).
    Method ``difference`` is the bench's own: measured unshaped + sim(shaped) - sim(unshaped). Like
-   the bench, the gradient return is charged twice its bytes (gloo's reduce_scatter is an
-   all-reduce + slice) and the dense gradients (``dense_params`` in summary.json, else estimated
-   from the model) are all-reduced over all ranks.
+   the bench, the dense gradients (``dense_params`` in summary.json, else estimated from the model)
+   are all-reduced over all ranks; ``hybridep-compressed`` rows ship weights and return gradients at
+   the command's ``--compression-ratio``. Transport calibration, as the bench's prediction does it:
+   where summary.json has the all-to-all probe of a point (the share of the shaped rate a bare
+   gloo all-to-all of that size got), the token all-to-alls of plans whose rails cross DCs are
+   charged at that share (their simulated time / efficiency; they block and nothing shares their
+   links); ``Comparison.uncalibrated`` is the simulation without it.
 
 2. A self-contained CSV (the column contract below), one row per point, for any other harness.
    Column names are matched case-insensitively; aliases in brackets.
 
-  required  system          ep | hybridep | replicated
+  required  system          ep | hybridep | hybridep-compressed | replicated
             dcs             emulated DCs                       [num_dcs]
             ranks_per_dc    ranks in each DC                   [local_world_size]
             wan_gbps        shaped rate of every DC uplink     [rate_gbps; rate_mbit / 1000]
@@ -32,6 +36,8 @@ Two CSV layouts are read.
             over layers, mean over ranks): the simulator then uses the measured compute instead of
             an estimate from throughput_tflops (default 0.05 TFLOP/s, a CPU core);
             dense_params: dense parameters all-reduced (fp32) over all ranks after the backward;
+            compression_ratio (1): weights and returned gradients (hybridep-compressed);
+            a2a_efficiency (1): share of the WAN rate the token all-to-all gets (see layout 1);
             unshaped_s: the same point measured without WAN shaping (then the difference method
             of layout 1 is used, with unshaped_wan_gbps (default 10) as the unshaped WAN rate).
 
@@ -90,15 +96,14 @@ class BenchPoint:
     label: str
     unshaped: float | None = None            # measured step time without WAN shaping
     unshaped_topology: Topology | None = None
-
-
-GLOO_REDUCE_SCATTER_FACTOR = 2.0  # gloo runs reduce_scatter as all-reduce + slice (measured by the bench)
+    a2a_efficiency: float = 1.0              # share of the WAN rate the token all-to-all gets (measured)
 
 
 @dataclass(frozen=True)
 class Comparison:
     point: BenchPoint
     simulated: float
+    uncalibrated: float = math.nan           # without the all-to-all calibration
 
     @property
     def error(self) -> float:
@@ -152,8 +157,8 @@ def plan_for(system: str, topo: Topology, num_experts: int, domain_sizes: str, l
         return Plan("domains", lay.names, lay.counts, (1,) * len(lay.counts), num_experts)
     if system == "replicated":
         return Plan.replicated(lay.counts, num_experts, lay.names)
-    if system != "hybridep":
-        raise PlanError(f"{where}.system: unknown {system!r}; fix: ep, hybridep or replicated")
+    if system not in ("hybridep", "hybridep-compressed"):
+        raise PlanError(f"{where}.system: unknown {system!r}; fix: ep, hybridep, hybridep-compressed or replicated")
     sizes: list[int] | None = None
     if domain_sizes:
         sizes = [int(x) for x in domain_sizes.replace(",", "x").split("x") if x]
@@ -217,6 +222,8 @@ def _bench_points(rows: list[dict[str, str]], path: str, summary_path: str) -> l
         return int(argv[argv.index(name) + 1]) if name in argv else default
 
     dcs, rpd = flag("--dcs", 2), flag("--ranks-per-dc", 2)
+    ratio = float(argv[argv.index("--compression-ratio") + 1]) if "--compression-ratio" in argv else 1.0
+    probes = summary.get("all_to_all_probe", {})
     intra = float(probe.get("intra_mbit", 2e4)) / 1e3
     shaped = bench_topology(dcs, rpd, rate / 1e3, 0.0, intra, 0.0)
     unshaped = bench_topology(dcs, rpd, float(probe.get("unshaped_wan_mbit", 1e4)) / 1e3, 0.0, intra, 0.0)
@@ -230,13 +237,15 @@ def _bench_points(rows: list[dict[str, str]], path: str, summary_path: str) -> l
                         num_experts=int(model["num_experts"]), top_k=int(model.get("topk", 2)),
                         num_moe_layers=layers, num_layers=layers, seq_length=seq, micro_batch_size=mbs,
                         activation_bytes=4, weight_bytes=4, grad_bytes=4, throughput_tflops=0.05,
-                        compressed_grad_bytes=GLOO_REDUCE_SCATTER_FACTOR * 2 * int(model["hidden_size"])
-                        * int(model["ffn_hidden_size"]) * 4, name=str(model.get("name", "bench")))
+                        name=str(model.get("name", "bench")))
         system = r["system"].lower()
+        if system == "hybridep-compressed":
+            work = work.replace(compression_ratio=ratio, grad_compression_ratio=ratio)
         plan = plan_for(system, shaped, work.num_experts, r.get("domain_sizes", ""), r.get("plan", ""), w)
-        label = f"{system} {plan.label if system == 'hybridep' else ''} tokens={mbs * seq}"
+        label = f"{system} {plan.label if system.startswith('hybridep') else ''} tokens={mbs * seq}"
+        eff = float(probes.get(r.get("point", ""), {}).get("efficiency", 1.0))
         out.append(BenchPoint(i, system, shaped, work, plan, _num(r, "step_s", w), dense, " ".join(label.split()),
-                              _num(r, "unshaped_s", w), unshaped))
+                              _num(r, "unshaped_s", w), unshaped, eff))
     return out
 
 
@@ -254,6 +263,9 @@ def _point(r: dict[str, str], where: str, i: int) -> BenchPoint:
         num_moe_layers=layers, num_layers=layers, seq_length=seq, micro_batch_size=mbs,
         micro_batches=int(_num(r, "micro_batches", where, 1)), activation_bytes=nbytes, weight_bytes=nbytes,
         grad_bytes=nbytes, throughput_tflops=_num(r, "throughput_tflops", where, 0.05))
+    ratio = _num(r, "compression_ratio", where, 1.0)
+    if ratio > 1:
+        kw.update(compression_ratio=ratio, grad_compression_ratio=ratio)
     work = Workload(**kw)
     t_pre = _num(r, "t_pre_s", where, -1.0)
     if t_pre > 0:
@@ -264,14 +276,18 @@ def _point(r: dict[str, str], where: str, i: int) -> BenchPoint:
         work = work.replace(throughput_tflops=work.expert_flops_per_token / (fwd / rows_) / 1e12)
     plan = plan_for(system, topo, work.num_experts, r.get("domain_sizes", ""), r.get("plan", ""), where)
     dense = _num(r, "dense_params", where, 0.0) * 4  # grad_reduce_in_fp32
-    label = f"{system} {plan.label if system == 'hybridep' else ''} {dcs}x{rpd} @{r['wan_gbps']}G tokens={mbs * seq}"
+    label = f"{system} {plan.label if system.startswith('hybridep') else ''} {dcs}x{rpd} @{r['wan_gbps']}G " \
+            f"tokens={mbs * seq}"
     unshaped = _num(r, "unshaped_s", where, -1.0)
     base = None
     if unshaped > 0:
         base = bench_topology(dcs, rpd, _num(r, "unshaped_wan_gbps", where, 10.0), 0.0,
                               _num(r, "intra_gbps", where, 20.0), _num(r, "intra_latency_us", where, 10.0))
+    eff = _num(r, "a2a_efficiency", where, 1.0)
+    if not eff > 0:
+        raise PlanError(f"{where}.a2a_efficiency: must be > 0, got {eff}")
     return BenchPoint(i, system, topo, work, plan, _num(r, "step_s", where), dense, " ".join(label.split()),
-                      unshaped if unshaped > 0 else None, base)
+                      unshaped if unshaped > 0 else None, base, eff)
 
 
 METHODS = ("calibrated", "difference")
@@ -302,20 +318,34 @@ def compare(points: Sequence[BenchPoint], options: SimOptions | None = None,
         if p.dense_grad_bytes:
             opts = dataclasses.replace(opts, dense_grad_bytes=p.dense_grad_bytes)
         if p.unshaped is None or p.unshaped_topology is None:
-            sim = simulate(p.topology, p.workload, p.plan, options=opts).total
+            shaped = simulate(p.topology, p.workload, p.plan, options=opts)
+            sim = shaped.total
         elif method == "calibrated":
-            sim = simulate(p.topology, calibrate(p, opts), p.plan, options=opts).total
+            shaped = simulate(p.topology, calibrate(p, opts), p.plan, options=opts)
+            sim = shaped.total
         else:
-            sim = (p.unshaped + simulate(p.topology, p.workload, p.plan, options=opts).total
-                   - simulate(p.unshaped_topology, p.workload, p.plan, options=opts).total)
-        out.append(Comparison(p, sim))
+            shaped = simulate(p.topology, p.workload, p.plan, options=opts)
+            sim = p.unshaped + shaped.total - simulate(p.unshaped_topology, p.workload, p.plan, options=opts).total
+        extra = 0.0
+        if p.a2a_efficiency != 1.0 and rails_cross_dcs(p.plan):
+            extra = (1 / p.a2a_efficiency - 1) * (shaped.phases["token_a2a_fwd"] + shaped.phases["token_a2a_bwd"])
+        out.append(Comparison(p, sim + extra, sim))
     return out
 
 
+def rails_cross_dcs(plan: Plan) -> bool:
+    """Whether the plan's token all-to-alls cross the DC level (level 0)."""
+    if plan.kind != "domains":
+        return False  # replicated: EP inside each DC
+    return plan.domain_sizes[0] < plan.level_counts[0]
+
+
 def format_comparison(comps: Sequence[Comparison], tolerance: float = TOLERANCE) -> str:
-    heads = ["row", "point", "measured", "simulated", "error", ""]
+    heads = ["row", "point", "measured", "simulated", "error", "", "a2a eff", "uncalibrated"]
     rows = [heads] + [[str(c.point.row + 2), c.point.label, f"{c.point.measured:.4g} s", f"{c.simulated:.4g} s",
-                       f"{c.error:+.1%}", "ok" if c.ok(tolerance) else "OFF"] for c in comps]
+                       f"{c.error:+.1%}", "ok" if c.ok(tolerance) else "OFF",
+                       f"{c.point.a2a_efficiency:.2f}" if c.simulated != c.uncalibrated else "-",
+                       f"{c.uncalibrated / c.point.measured - 1:+.1%}"] for c in comps]
     widths = [max(len(r[i]) for r in rows) for i in range(len(heads))]
     lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "-" * len(lines[0]))

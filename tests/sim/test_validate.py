@@ -17,7 +17,6 @@ from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.sim.schedule import SimOptions
 from megatron_hybridep.sim.simulate import simulate
 from megatron_hybridep.sim.validate import (
-    GLOO_REDUCE_SCATTER_FACTOR,
     bench_topology,
     calibrate,
     compare,
@@ -29,7 +28,8 @@ from megatron_hybridep.sim.validate import (
 
 MODEL = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 64, "num_attention_heads": 4, "num_experts": 8,
          "topk": 2, "vocab_size": 256, "name": "bench-cpu"}
-SYSTEMS = [("ep", "ep (S=1)"), ("replicated", "replicated (dc x2, EP=2)"), ("hybridep", "domains dc2 gpu1")]
+SYSTEMS = [("ep", "ep (S=1)"), ("replicated", "replicated (dc x2, EP=2)"), ("hybridep", "domains dc2 gpu1"),
+           ("hybridep-compressed", "domains dc2 gpu1")]
 
 
 def _write(path, rows):
@@ -83,9 +83,11 @@ def test_measured_compute_is_used(tmp_path):
 
 def test_bench_layout_uses_the_unshaped_measurement(tmp_path, capsys):
     """bench.csv + summary.json: predicted = unshaped + sim(shaped) - sim(unshaped)."""
-    summary = {"command": "python -m megatron_hybridep bench --dcs 2 --ranks-per-dc 2 --rate 40mbit",
+    summary = {"command": "python -m megatron_hybridep bench --dcs 2 --ranks-per-dc 2 --rate 40mbit "
+                          "--compression-ratio 50",
                "rate_mbit": 40.0, "goodput_mbit": 38.26, "model": MODEL,
-               "probe": {"unshaped_wan_mbit": 9000.0, "intra_mbit": 20000.0}}
+               "probe": {"unshaped_wan_mbit": 9000.0, "intra_mbit": 20000.0},
+               "all_to_all_probe": {"1": {"efficiency": 0.8}}}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     rows = []
     for point, tokens in enumerate((256, 2048)):
@@ -97,12 +99,20 @@ def test_bench_layout_uses_the_unshaped_measurement(tmp_path, capsys):
     pts = read_bench_csv(str(path))
     assert [p.system for p in pts] == [s for _ in range(2) for s, _ in SYSTEMS]
     assert pts[2].plan.domain_sizes == (2, 1)
-    assert pts[0].workload.compressed_grad_bytes == GLOO_REDUCE_SCATTER_FACTOR * 2 * 64 * 64 * 4
+    assert pts[0].workload.grad_wire_bytes == 2 * 64 * 64 * 4  # gloo's gradient return: 1x the bytes
+    assert pts[3].workload.compression_ratio == pts[3].workload.grad_compression_ratio == 50
+    assert pts[3].workload.expert_wire_bytes < pts[2].workload.expert_wire_bytes / 10
+    assert [p.a2a_efficiency for p in pts] == [1.0] * 4 + [0.8] * 4
     assert pts[0].dense_grad_bytes == pytest.approx(dense_params_estimate(MODEL) * 4)
     # the network part grows with the token traffic and is positive for the shaped WAN
     for method in ("calibrated", "difference"):
-        delta = [c.simulated - c.point.unshaped for c in compare(pts, method=method)]
-        assert all(d > 0 for d in delta) and delta[3] > delta[0], method
+        comps = compare(pts, method=method)
+        delta = [c.simulated - c.point.unshaped for c in comps]
+        assert all(d > 0 for d in delta) and delta[4] > delta[0], method
+        # the probed all-to-all efficiency slows only the all-to-alls that cross DCs (EP's)
+        assert comps[4].simulated > comps[4].uncalibrated
+        assert [c.simulated for c in comps[5:]] == [c.uncalibrated for c in comps[5:]]
+        assert comps[7].simulated < comps[6].simulated  # compressed migration moves fewer WAN bytes
     # calibration: the fitted compute reproduces the unshaped step exactly
     p = pts[2]
     opts = SimOptions(dense_grad_bytes=p.dense_grad_bytes)
@@ -113,7 +123,7 @@ def test_bench_layout_uses_the_unshaped_measurement(tmp_path, capsys):
         r["median_s"] = c.simulated * 1.08
     _write(path, rows)
     assert main(["simulate", "--validate", str(path)]) == 0
-    assert "6/6 points within 15%" in capsys.readouterr().out
+    assert "8/8 points within 15%" in capsys.readouterr().out
 
 
 def test_reader_errors_name_the_column(tmp_path):
@@ -130,15 +140,17 @@ def test_reader_errors_name_the_column(tmp_path):
         plan_for("deepep", topo, 8, "", "", "row 2")
 
 
-MEASURED = os.path.join(os.path.dirname(__file__), "data", "bench_2dc_x_2_40mbit", "bench.csv")
+MEASURED = os.path.join(os.path.dirname(__file__), "data", "bench_2dc_x_2_50mbit", "bench.csv")
 
 
 def test_recorded_testbed_run():
-    """A real `hybridep bench` run (2 DCs x 2 CPU ranks, 40 Mbit/s WAN, 6 points x 3 systems, 7 timed
-    iterations each; tests/sim/data): at least 90% of the points within 15% of the measured median,
-    none off by more than 25% (single points are noisy: min-max spreads of 10-20% at 7 iterations)."""
+    """A real `hybridep bench` run (2 DCs x 2 CPU ranks, 50 Mbit/s WAN with a 1 ms HTB bucket, 6 points x
+    4 systems, 7 timed iterations each; tests/sim/data, the run in docs/results): at least 90% of the
+    points within 15% of the measured median, none off by more than 25% (single points are noisy:
+    min-max spreads of 10-20% at 7 iterations)."""
     comps = compare(read_bench_csv(MEASURED))
-    assert len(comps) == 18 and {c.point.system for c in comps} == {"ep", "replicated", "hybridep"}
+    assert len(comps) == 24
+    assert {c.point.system for c in comps} == {"ep", "replicated", "hybridep", "hybridep-compressed"}
     within = sum(c.ok() for c in comps)
     assert within >= 0.9 * len(comps), format_comparison(comps)
     assert all(abs(c.error) <= 0.25 for c in comps), format_comparison(comps)
