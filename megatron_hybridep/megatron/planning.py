@@ -4,6 +4,8 @@ model's shape from args) and --hybridep-plan (auto / ep / replicated / a plan fi
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +18,7 @@ from megatron_hybridep.runtime.migration import MigrationConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CPU_LINKS = os.path.join(REPO, "configs", "topologies", "2dc_x_2.yaml")
+log = logging.getLogger("hybridep.planning")
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,18 @@ def setup_from_args(args: argparse.Namespace, world_size: int, ep_group: Any = N
     return choice
 
 
+def _runnable(result: PlanningResult, ep: int) -> PlanningResult:
+    """The replicated plan needs Megatron's EP size changed before model-parallel initialisation,
+    which a started job cannot do: run the best plan for this EP size and say how to get the other."""
+    runnable = next(c for c in result.candidates if c.plan.kind != "replicated")
+    fastest = result.chosen
+    log.warning("hybridep: '%s' (Megatron EP inside each DC) is predicted faster than any plan for EP size %d "
+                "(%.4g s vs %.4g s per iteration); running '%s'. To run it: --moe-token-dispatcher-type alltoall "
+                "--expert-model-parallel-size %d", fastest.plan.label, ep, fastest.cost.total, runnable.cost.total,
+                runnable.plan.label, fastest.plan.megatron_ep_size)
+    return dataclasses.replace(result, best=runnable.plan)
+
+
 def choose(args: argparse.Namespace, world_size: int) -> PlanChoice:
     """The plan this job runs (identical on every rank: pure function of args and topology)."""
     topo = topology_for(args, world_size)
@@ -112,6 +127,8 @@ def choose(args: argparse.Namespace, world_size: int) -> PlanChoice:
         return PlanChoice(Plan.replicated(layout.counts, args.num_experts, layout.names), topo, None)
     if mode == "auto":
         result = choose_plan(topo, workload_for(args), ep)
+        if result.best.kind == "replicated":
+            result = _runnable(result, ep)
         return PlanChoice(result.best, topo, result)
     if not os.path.exists(mode):
         raise PlanError(f"--hybridep-plan {mode!r}: not auto, ep, replicated or an existing plan file; fix: "

@@ -149,3 +149,20 @@ def test_checkpoints_move_between_hybridep_and_alltoall(saved_with, loaded_with,
         assert a.keys() == b.keys()
         for name in a:
             assert torch.equal(a[name], b[name]), f"rank {rank}: {name} differs after load"
+
+
+def test_auto_runs_the_best_plan_for_the_configured_ep_size_and_says_when_replicated_is_faster(caplog):
+    import logging
+
+    from megatron_hybridep.megatron.arguments import parse
+    from megatron_hybridep.megatron.planning import choose
+
+    args = parse([], default_config=PRESET)
+    with caplog.at_level(logging.WARNING, logger="hybridep.planning"):
+        choice = choose(args, 4)
+    assert choice.plan.kind != "replicated" and choice.dispatcher == "hybridep"
+    assert choice.result.best == choice.plan
+    cheapest = choice.result.candidates[0]
+    assert cheapest.plan.kind == "replicated"  # on the demo's links the cost model prefers it
+    assert "--moe-token-dispatcher-type alltoall --expert-model-parallel-size 2" in caplog.text
+    assert choice.result.chosen.cost.total > cheapest.cost.total
