@@ -14,6 +14,7 @@ import argparse
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,8 +94,11 @@ def _plan_job(args: argparse.Namespace, world: int) -> PlanChoice | None:
     return choice
 
 
-def run(args: argparse.Namespace, collect_params: bool = False) -> RunSummary:
-    """One rank of the job (torch.distributed already initialised with gloo)."""
+def run(args: argparse.Namespace, collect_params: bool = False,
+        on_iteration: Callable[[int, float, Any], None] | None = None) -> RunSummary:
+    """One rank of the job (torch.distributed already initialised with gloo). ``on_iteration(iteration,
+    step_seconds, scheduler_decision_or_None)`` runs after each iteration's log (benchmarks use it to
+    sync with a controller, e.g. to change the WAN rate at a known iteration)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -152,7 +156,10 @@ def run(args: argparse.Namespace, collect_params: bool = False) -> RunSummary:
             runtime.after_optimizer_step()
         iteration += 1
         decision = scheduler.step(iteration) if scheduler is not None else None
-        reporter.step(iteration, loss_sum, time.perf_counter() - t0, grad_norm, lr_scheduler, decision)
+        seconds = time.perf_counter() - t0
+        reporter.step(iteration, loss_sum, seconds, grad_norm, lr_scheduler, decision)
+        if on_iteration is not None:
+            on_iteration(iteration, seconds, decision)
         saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
         if saved:
             checkpoint.save(args, iteration, model, optimizer, lr_scheduler)

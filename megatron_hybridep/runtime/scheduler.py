@@ -1,12 +1,21 @@
 """The expert-placement scheduler: keeps the plan right while training.
 
 Every ``interval`` iterations it turns the runtime's measurements into cost-model inputs —
-per-expert routing counts (from the router), effective bandwidth per link level (bytes / seconds of
-the blocking token all-to-alls and gradient returns, smoothed), and the step time — and asks
-``plan.planner.replan`` whether another prebuilt plan beats the current one by more than the
-switch cost over the horizon. It switches only after ``patience`` consecutive checks agree
-(hysteresis, so it cannot flap), at an iteration boundary, identically on every rank (the inputs
-are all-reduced first, and the decision is a pure function of them).
+per-expert routing counts (from the router) and the effective bandwidth per link level — and asks
+``plan.planner.replan`` whether another prebuilt plan beats the current one by more than the switch
+cost over the horizon. It switches only after ``patience`` consecutive checks agree and only for a
+gain of at least ``min_gain`` of the current step (hysteresis, so it cannot flap), at an iteration
+boundary, identically on every rank (one all-reduce first; the decision is a pure function of it).
+
+Bandwidth of a level = bytes / seconds of the blocking collectives (token all-to-alls, gradient
+returns) whose coarsest link is that level: a call that crosses the WAN is timed as WAN traffic, its
+intra-DC bytes travel in parallel. The seconds are the *minimum* over ranks: a blocking collective
+on the rank that arrives last has no peer to wait for, so its time is transfer time, not the
+compute skew the early ranks spend waiting (which made small transfers look 2-5x slower than the
+link). Calls shorter than ``min_call_s`` are overhead-bound (on a busy CPU gloo spends ~10 ms per call
+whatever the link), so such a sample stands for the configured rate, not a measured one. Each level's
+estimate is the median of its last ``window`` samples: one outlier never moves it, and a real change
+(a WAN rate drop) is adopted after ``window // 2 + 1`` samples.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from megatron_hybridep.plan.planner import Replan, replan
 from megatron_hybridep.plan.topology import Level, Topology
 from megatron_hybridep.plan.workload import Workload
 from megatron_hybridep.runtime.context import HybridEPRuntime
+from megatron_hybridep.runtime.instrument import Stats
 
 log = logging.getLogger("hybridep.scheduler")
 
@@ -31,11 +41,17 @@ BLOCKING_PHASES = ("token_dispatch", "token_combine", "grad_return")
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    interval: int = 10        # iterations between decisions
+    interval: int = 10        # iterations between decisions (each measures its last iteration)
     horizon: int = 100        # iterations the predicted gain is counted over
     patience: int = 2         # consecutive decisions that must agree before a switch
-    smoothing: float = 0.5    # weight of the newest measurement in the moving averages
+    smoothing: float = 0.5    # weight of the newest routing measurement in its moving average
+    window: int = 3           # bandwidth estimate = median of a level's last `window` samples; no switch
+                              # before every measured level has `window` samples
+    min_gain: float = 0.10    # switch only when the best plan is predicted this fraction faster per step
+    warmup: int = 2           # first iterations not measured (allocation, first gathers: 1.5-2x slower)
     min_bytes: float = 64e3   # below this many bytes per interval a level's bandwidth is not re-estimated
+    min_call_s: float = 0.02  # calls faster than this are overhead-bound (gloo on a busy CPU: ~10 ms per
+                              # call): such a sample says "as fast as configured", not a rate
 
 
 @dataclass(frozen=True)
@@ -43,8 +59,29 @@ class Measurement:
     """What one interval measured, identical on every rank (after all-reduce)."""
 
     routing: np.ndarray                 # (G, E) tokens from each EP rank to each expert, per MoE layer
-    level_bytes: dict[str, float]       # bytes of blocking collectives per link level (summed over ranks)
-    level_seconds: dict[str, float]     # their time (max over ranks)
+    level_bytes: dict[str, float]       # bytes of blocking collectives timed at each level (summed over ranks)
+    level_seconds: dict[str, float]     # their time (min over ranks: transfer without waiting for peers)
+    level_calls: dict[str, float] | None = None  # how many calls that was (None: one)
+
+
+def blocking_by_level(stats: Stats, levels: tuple[str, ...]) -> tuple[list[float], list[float], list[float]]:
+    """(bytes, seconds, calls) per level (coarsest first) of this rank's blocking collectives, each
+    call counted at the coarsest level it sends bytes over: its time is set by that (slowest) link."""
+    nbytes, secs, ncalls = [0.0] * len(levels), [0.0] * len(levels), [0.0] * len(levels)
+    calls: dict[tuple[int, str, str], dict[str, float]] = {}
+    for (layer, phase, group, level), r in stats.records.items():
+        if phase in BLOCKING_PHASES:
+            c = calls.setdefault((layer, phase, group), {})
+            c[level] = c.get(level, 0.0) + (r.seconds if level == "all" else r.bytes)
+            if level == "all":
+                c["calls"] = c.get("calls", 0.0) + r.calls
+    for c in calls.values():
+        i = next((i for i, lv in enumerate(levels) if c.get(lv, 0.0) > 0), None)
+        if i is not None:
+            nbytes[i] += c[levels[i]]
+            secs[i] += c.get("all", 0.0)
+            ncalls[i] += c.get("calls", 0.0)
+    return nbytes, secs, ncalls
 
 
 @dataclass
@@ -65,27 +102,34 @@ class PlanScheduler:
     routing: np.ndarray | None = None
     history: list[Decision] = field(default_factory=list)
     _streak: tuple[int, int] = (-1, 0)  # (candidate plan index, consecutive agreeing checks)
+    _samples: dict[str, list[float]] = field(default_factory=dict)  # per level, the last `window` rates
+
+    def __post_init__(self) -> None:
+        # per-rank rate of each level as configured: what an overhead-bound sample stands for
+        self._configured = {lv.name: lv.bandwidth_gbps for lv in self.topology.levels if isinstance(lv, Level)}
 
     # ---- measurement ---------------------------------------------------------------------------
     def measure(self) -> Measurement:
-        """All-reduce this interval's statistics so every rank decides on the same numbers."""
+        """One MIN all-reduce of this interval's statistics so every rank decides on the same numbers:
+        per-rank rows (routing, bytes) are +inf on the other ranks, so MIN gathers them; the seconds
+        are a true minimum over ranks."""
         stats, plan = self.runtime.stats, self.runtime.plan
         g, e = plan.ep_size, plan.num_experts
-        routing = np.zeros((g, e))
-        if stats.tokens_per_expert:
-            routing[self.runtime.active_groups.ep_rank] = sum(stats.tokens_per_expert.values()) / max(
-                1, len(stats.tokens_per_expert))
-        levels = list(self.topology.level_names)
-        nbytes = [float(sum(stats.bytes_by(phase=p, level=lv) for p in BLOCKING_PHASES)) for lv in levels]
-        secs = [float(sum(stats.seconds_by(phase=p) for p in BLOCKING_PHASES))] * len(levels)
-        t_sum = torch.tensor(np.concatenate([routing.ravel(), nbytes]), dtype=torch.float64)
-        t_max = torch.tensor(secs, dtype=torch.float64)
-        group = self.runtime.ep_group
-        dist.all_reduce(t_sum, group=group)
-        dist.all_reduce(t_max, op=dist.ReduceOp.MAX, group=group)
-        flat = t_sum.numpy()  # the caller (training log) resets the stats once per iteration
-        return Measurement(flat[: g * e].reshape(g, e), dict(zip(levels, flat[g * e:].tolist(), strict=True)),
-                           dict(zip(levels, t_max.numpy().tolist(), strict=True)))
+        levels = tuple(self.topology.level_names)
+        me = self.runtime.active_groups.ep_rank
+        rows = np.full((g, e + len(levels)), np.inf)
+        rows[me, :e] = (sum(stats.tokens_per_expert.values()) / len(stats.tokens_per_expert)
+                        if stats.tokens_per_expert else 0.0)
+        nbytes, secs, ncalls = blocking_by_level(stats, levels)
+        rows[me, e:] = nbytes
+        t = torch.from_numpy(np.concatenate([rows.ravel(), secs, ncalls]))
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.runtime.ep_group)
+        flat = t.numpy()  # the caller (training log) resets the stats once per iteration
+        n, nl = g * (e + len(levels)), len(levels)
+        rows = flat[:n].reshape(g, e + nl)
+        return Measurement(rows[:, :e].copy(), dict(zip(levels, rows[:, e:].sum(axis=0).tolist(), strict=True)),
+                           dict(zip(levels, flat[n:n + nl].tolist(), strict=True)),
+                           dict(zip(levels, flat[n + nl:].tolist(), strict=True)))
 
     # ---- decision (pure: same inputs, same answer on every rank) -----------------------------
     def update_estimates(self, m: Measurement) -> None:
@@ -97,9 +141,12 @@ class PlanScheduler:
             if nbytes >= self.config.min_bytes and secs > 0:
                 # Bytes summed over ranks crossed the level's links in parallel; per-rank rate.
                 per_rank = nbytes / self.runtime.plan.ep_size
-                gbps = per_rank * 8 / secs / 1e9
-                old = self.bandwidth_gbps.get(name)
-                self.bandwidth_gbps[name] = gbps if old is None else a * gbps + (1 - a) * old
+                calls = max(1.0, (m.level_calls or {}).get(name, 1.0))
+                fast = secs / calls < self.config.min_call_s and name in self._configured
+                samples = self._samples.setdefault(name, [])
+                samples.append(self._configured[name] if fast else per_rank * 8 / secs / 1e9)
+                del samples[:-self.config.window]
+                self.bandwidth_gbps[name] = float(np.median(samples))
 
     def measured_topology(self) -> Topology:
         levels = tuple(dataclasses.replace(lv, bandwidth_gbps=self.bandwidth_gbps.get(lv.name, lv.bandwidth_gbps),
@@ -113,11 +160,16 @@ class PlanScheduler:
         r = replan(self.measured_topology(), workload, self.runtime.plan, horizon_iterations=self.config.horizon,
                    candidates=self.runtime.plans)
         switched = False
+        if r.switch and r.current_seconds - r.best_seconds < self.config.min_gain * r.current_seconds:
+            r = dataclasses.replace(r, switch=False, plan=self.runtime.plan, reason=(
+                f"{r.plan.label} predicted only {1 - r.best_seconds / r.current_seconds:.1%} faster per step "
+                f"(< min_gain {self.config.min_gain:.0%})"))
         if r.switch:
             index = self.runtime.plans.index(r.plan)
             streak = self._streak[1] + 1 if self._streak[0] == index else 1
             self._streak = (index, streak)
-            if streak >= self.config.patience:
+            ready = all(len(v) >= self.config.window for v in self._samples.values())
+            if streak >= self.config.patience and ready:
                 say = log.warning if not dist.is_initialized() or dist.get_rank() == 0 else log.debug
                 say("hybridep scheduler, iteration %d: switching %s -> %s (%s; predicted %.4g s -> %.4g s "
                             "per iteration; measured bandwidth %s)", iteration, self.runtime.plan.label,
@@ -134,7 +186,7 @@ class PlanScheduler:
 
     def step(self, iteration: int) -> Decision | None:
         """Call after every optimizer step (all ranks)."""
-        if iteration % self.config.interval:
+        if iteration <= self.config.warmup or iteration % self.config.interval:
             return None
         self.update_estimates(self.measure())
         return self.decide(iteration)

@@ -1,0 +1,149 @@
+"""The scheduler's bandwidth estimation and switching rule on synthetic measurements (no testbed):
+calls are timed at their coarsest link, one MIN all-reduce gathers everything, a WAN rate drop
+is adopted after window // 2 + 1 samples and switches after `patience` more checks, one outlier
+never switches, a predicted gain below `min_gain` never switches, and stable noise never does."""
+
+import numpy as np
+import pytest
+
+from megatron_hybridep.plan.plan import Plan
+from megatron_hybridep.plan.topology import Level, Topology
+from megatron_hybridep.plan.workload import Workload
+from megatron_hybridep.runtime.instrument import Stats
+from megatron_hybridep.runtime.launch import run_ranks
+from megatron_hybridep.runtime.scheduler import Measurement, PlanScheduler, SchedulerConfig, blocking_by_level
+
+# The replan demo's world: 2 DCs x 2 ranks, a 2048-token-per-rank GPT-MoE with small experts.
+# Fast WAN: all four ranks share every expert (S=4, no token traffic); slow WAN: pairs across the DCs.
+TOPO = Topology((Level("dc", 2, 0.95, 0.0, 0.95), Level("gpu", 2, 1.0, 0.0)), name="2dc x 2")
+WORK = Workload(hidden_size=64, ffn_hidden_size=128, num_experts=8, top_k=2, num_moe_layers=2, num_layers=2,
+                seq_length=128, micro_batch_size=16, throughput_tflops=0.05)
+ALL4 = Plan.grid((2, 2), (2, 2), 8, ("dc", "gpu"))
+PAIRS = Plan.grid((2, 2), (2, 1), 8, ("dc", "gpu"))
+FAST, SLOW = 0.45, 0.02  # Gbit/s per rank: a 1 Gbit/s and a 50 Mbit/s uplink shared by 2 ranks
+
+
+class FakeRuntime:
+    def __init__(self, plans, active):
+        self.plans, self.active, self.switches, self.stats = plans, active, [], Stats()
+
+    @property
+    def plan(self):
+        return self.plans[self.active]
+
+    def switch(self, index):
+        self.switches.append(index)
+        self.active = index
+
+
+def _m(dc_gbps, secs=0.05):
+    """One interval: balanced routing, WAN-bound blocking collectives at dc_gbps per rank."""
+    return Measurement(np.full((4, 8), 16 * 128 * 2 / 8), {"dc": 4 * dc_gbps * 1e9 / 8 * secs, "gpu": 0.0},
+                       {"dc": secs, "gpu": 0.0})
+
+
+def _scheduler(**cfg):
+    rt = FakeRuntime([ALL4, PAIRS], 0)
+    return rt, PlanScheduler(rt, TOPO, WORK, SchedulerConfig(interval=1, min_bytes=0, **cfg))
+
+
+def _run(s, rates):
+    return [s.decide(it) for it, rate in enumerate(rates) if s.update_estimates(_m(rate)) is None]
+
+
+def test_the_demo_plans_flip_with_the_wan_rate():
+    for rate, best in ((FAST, ALL4), (SLOW, PAIRS)):
+        _, s = _scheduler(window=1)
+        s.update_estimates(_m(rate))
+        assert s.decide(0).replan.plan == best, rate
+
+
+def test_a_wan_rate_drop_switches_after_half_the_window_plus_patience_and_only_once():
+    rt, s = _scheduler(window=3, patience=2)
+    decisions = _run(s, [FAST] * 10 + [SLOW] * 10)
+    switched = [d.iteration for d in decisions if d.switched]
+    # samples 10 and 11 move the median (window 3), checks at 11 and 12 agree (patience 2)
+    assert switched == [12], [(d.iteration, d.replan.reason) for d in decisions]
+    assert rt.switches == [1] and rt.plan == PAIRS
+    assert s.bandwidth_gbps["dc"] == pytest.approx(SLOW)
+
+
+def test_one_outlier_sample_never_switches():
+    rt, s = _scheduler(window=3, patience=1)  # even with no patience at all
+    _run(s, [FAST] * 5 + [SLOW] + [FAST] * 5 + [SLOW] + [FAST] * 3)
+    assert rt.switches == []
+
+
+def test_stable_noisy_conditions_never_switch():
+    rng = np.random.default_rng(0)
+    rt, s = _scheduler()
+    _run(s, FAST * rng.uniform(0.5, 2.0, size=60))  # +-2x noise around a fast WAN
+    assert rt.switches == [], [d.replan.reason for d in s.history if d.replan.switch]
+
+
+def test_a_gain_below_min_gain_never_switches():
+    rt, s = _scheduler(window=1, patience=1, min_gain=10.0)  # nothing is 1000% faster
+    _run(s, [SLOW] * 5)
+    assert rt.switches == []
+    assert "min_gain" in s.history[-1].replan.reason and not s.history[-1].replan.switch
+    rt, s = _scheduler(window=1, patience=1, min_gain=0.0)
+    _run(s, [SLOW] * 5)
+    assert rt.switches == [1]
+
+
+def test_calls_are_timed_at_their_coarsest_link():
+    stats = Stats()
+    stats.add(0, "token_dispatch", "rail", 0, 0.030)           # crosses the WAN and the DC
+    stats.add(0, "token_dispatch", "rail", 1000, 0.0, level="dc")
+    stats.add(0, "token_dispatch", "rail", 5000, 0.0, level="gpu")
+    stats.add(1, "token_combine", "rail", 0, 0.002)             # inside the DC only
+    stats.add(1, "token_combine", "rail", 4000, 0.0, level="gpu")
+    stats.add(0, "expert_gather", "domain", 0, 0.5)             # prefetched: not blocking
+    stats.add(0, "expert_gather", "domain", 9000, 0.0, level="dc")
+    stats.add(0, "grad_return", "domain", 0, 0.010)
+    stats.add(0, "grad_return", "domain", 2000, 0.0, level="dc")
+    nbytes, secs, calls = blocking_by_level(stats, ("dc", "gpu"))
+    assert nbytes == [3000, 4000] and secs == pytest.approx([0.040, 0.002])
+    assert calls == [2, 1]
+
+
+def _measure_on_ranks(ctx):
+    import torch.distributed as dist
+
+    class Groups:
+        ep_rank = ctx.rank
+
+    class Runtime(FakeRuntime):
+        ep_group = dist.group.WORLD
+        active_groups = Groups()
+
+    rt = Runtime([Plan.grid((2,), (1,), 4, ("dc",))], 0)
+    rt.stats.add_routing(0, np.array([1.0, 2.0, 3.0, 4.0]) * (ctx.rank + 1))
+    rt.stats.add(0, "token_dispatch", "rail", 0, 0.1 * (ctx.rank + 1))  # rank 1 waited 0.1 s longer
+    rt.stats.add(0, "token_dispatch", "rail", 1000 * (ctx.rank + 1), 0.0, level="dc")
+    topo = Topology((Level("dc", 2, 1.0, 0.0),))
+    m = PlanScheduler(rt, topo, Workload(hidden_size=8, ffn_hidden_size=8, num_experts=4, top_k=1, num_moe_layers=1)).measure()
+    return m.routing.tolist(), m.level_bytes, m.level_seconds, m.level_calls
+
+
+def test_one_min_all_reduce_gathers_rows_sums_bytes_and_takes_the_fastest_time():
+    for routing, nbytes, secs, calls in run_ranks(_measure_on_ranks, 2, timeout=120):
+        assert routing == [[1, 2, 3, 4], [2, 4, 6, 8]]
+        assert nbytes == {"dc": 3000.0} and secs == pytest.approx({"dc": 0.1}) and calls == {"dc": 1.0}
+
+
+def test_overhead_bound_calls_count_as_the_configured_rate():
+    _, s = _scheduler(window=1, min_call_s=0.02)
+    s.update_estimates(Measurement(np.ones((4, 8)), {"dc": 4e5, "gpu": 0.0}, {"dc": 0.03, "gpu": 0.0}, {"dc": 2}))
+    assert s.bandwidth_gbps["dc"] == pytest.approx(TOPO.levels[0].bandwidth_gbps)  # 15 ms per call: too short
+    s.update_estimates(Measurement(np.ones((4, 8)), {"dc": 4e5, "gpu": 0.0}, {"dc": 0.08, "gpu": 0.0}, {"dc": 2}))
+    assert s.bandwidth_gbps["dc"] == pytest.approx(1e5 * 8 / 0.08 / 1e9)  # 40 ms per call: a measured rate
+
+
+def test_no_switch_before_a_full_window_nor_during_warmup():
+    rt, s = _scheduler(window=3, patience=1)
+    decisions = _run(s, [SLOW] * 4)  # slow from the first sample: PAIRS is better at once
+    assert [d.switched for d in decisions] == [False, False, True, False]
+    rt, s = _scheduler(warmup=2)
+    s.measure = None  # warm-up iterations must not even measure
+    assert s.step(1) is None and s.step(2) is None and rt.switches == []
