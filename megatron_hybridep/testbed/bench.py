@@ -5,8 +5,9 @@ the real Megatron GPT-MoE on the emulated multi-DC testbed (network namespaces +
     python -m megatron_hybridep bench --smoke              # 2 points, tiny batches, < 60 s
     python -m megatron_hybridep bench --rate 100mbit --points 4 --min-tokens 256 --out runs/b1
 
-One testbed (D DCs x K ranks), one launch of the rank workers (bench_worker), steered by the parent
-over a control socket (bench_control). Point by point, highest traffic first (tokens per rank =
+One testbed (D DCs x K ranks), one launch of the rank workers (bench_worker) per point (fresh
+processes: gloo never frees old process groups' threads), steered by the parent over a control
+socket (bench_control); rank logs in <out>/logs/point<i>. Point by point, highest traffic first (tokens per rank =
 micro_batch x seq, --points values over a 32x range, so the token traffic per rank spans 32x like the
 paper's 6..192 MB), system by system (EP first, then replicated, HybridEP with exact migration, and
 HybridEP with weights and returned gradients top-k compressed, --compression-ratio):
@@ -85,22 +86,33 @@ def run_bench(cfg: BenchConfig, log: IO[str] = sys.stdout) -> dict[str, Any]:
         session = Session(cfg, tb, log)
         session.say(f"{tb.describe()}; model {cfg.model.name}; points (tokens/rank) "
                     f"{[p['tokens'] for p in cfg.points]}; systems {','.join(cfg.systems)}")
-        control = ControlServer(os.path.join(tmp, "control.sock"))
-        env[CONTROL_ENV] = control.path
-        try:
-            group = tb.start([sys.executable, "-m", "megatron_hybridep.testbed.bench_worker",
-                              "--spec", str(cfg.out / "spec.json")], env=env, timeout_s=cfg.timeout,
-                             stream=Progress(t0, None if cfg.quiet else log), log_dir=cfg.out / "logs", cwd=repo)
-            with group:
-                control.serve(group.pids, session.handle, time.monotonic() + cfg.timeout)
-                result = group.wait()
-        finally:
-            control.close()
-        try:
-            result.raise_for_status()
-        except TestbedError as exc:
-            raise BenchError(f"the rank workers failed (logs in {cfg.out / 'logs'}):\n{exc}") from None
+        deadline = t0 + cfg.timeout
+        while session.pending():  # one launch per point: fresh ranks (see bench_session)
+            _launch(cfg, tb, session, env, Path(tmp), cfg.out / "logs" / f"point{session.queue[0][0]}", repo,
+                    Progress(t0, None if cfg.quiet else log), deadline)
     return analyse(cfg, session, session.events, time.monotonic() - t0)
+
+
+def _launch(cfg: BenchConfig, tb: Testbed, session: Session, env: dict[str, str], tmp: Path, logs: Path,
+            repo: Path, progress: Progress, deadline: float) -> None:
+    """One set of rank workers, steered by `session` until rank 0 says bye."""
+    control = ControlServer(str(tmp / "control.sock"))
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise BenchError(f"the run exceeded its --timeout of {cfg.timeout:g} s")
+    try:
+        group = tb.start([sys.executable, "-m", "megatron_hybridep.testbed.bench_worker",
+                          "--spec", str(cfg.out / "spec.json")], env={**env, CONTROL_ENV: control.path},
+                         timeout_s=left, stream=progress, log_dir=logs, cwd=repo)
+        with group:
+            control.serve(group.pids, session.handle, deadline)
+            result = group.wait()
+    finally:
+        control.close()
+    try:
+        result.raise_for_status()
+    except TestbedError as exc:
+        raise BenchError(f"the rank workers failed (logs in {logs}):\n{exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,6 +1,11 @@
 """The parent's side of `hybridep bench`'s control protocol (bench_control): what each rank-0 request
 is answered with, WAN shaping between the unshaped and shaped phases, the planner's choice per
-point, and the progress lines."""
+point, and the progress lines.
+
+One launch of the rank workers serves one point (all its systems): at the next point the worker is
+told "done" and bench.py starts a fresh set of ranks (Session.pending). Megatron's process groups
+are rebuilt for every system, and gloo never frees an old group's threads, so one long-lived rank
+accumulated ~400 threads by the end of a sweep and the machine's load climbed with them."""
 
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ class Session:
     log: IO[str]
     queue: list[tuple[int, str]] = field(default_factory=list)
     current: tuple[int, str] | None = None
+    launch_point: int | None = None  # the point the running launch serves (None: not started yet)
     shaped: bool = True
     candidates: list[Plan] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)  # rank 0's, from the control requests
@@ -59,6 +65,11 @@ class Session:
         # minutes are the ones most likely to see the load the run started with
         self.queue = [(p["index"], s) for p in reversed(self.cfg.points) for s in SYSTEMS if s in self.cfg.systems]
         self.info.update(chosen={}, planner_best={}, shaped_tx_bytes=0.0)
+
+    def pending(self) -> bool:
+        """Whether another launch of the ranks is needed; if so, the next one starts at a new point."""
+        self.launch_point = None
+        return bool(self.queue) or not self.candidates
 
     def say(self, msg: str) -> None:
         if not self.cfg.quiet:
@@ -98,9 +109,10 @@ class Session:
                 sizes = [p["tokens"] * m.topk * m.hidden_size * bp.FP32 for p in self.cfg.points]
                 return {"probe": {"sizes": sizes, "repeats": PROBE_REPEATS}}
             self.set_shaped(False)
-            if not self.queue:
-                return {"done": True}
+            if not self.queue or self.launch_point not in (None, self.queue[0][0]):
+                return {"done": True}  # the sweep is over, or this launch's point is (fresh ranks per point)
             self.current = self.queue.pop(0)
+            self.launch_point = self.current[0]
             point, system = self.current
             order: dict[str, Any] = {"system": system, "point": self.cfg.points[point],
                                      "warmup": self.cfg.warmup, "iters": self.cfg.iters}
