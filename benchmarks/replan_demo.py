@@ -296,7 +296,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[DemoConfig, str | None]:
             p.add_argument(f"--{k.replace('_', '-')}", action="store_true")
         else:
             p.add_argument(f"--{k.replace('_', '-')}", type=type(v) if v is not None else str, default=v)
-    p.add_argument("--smoke", action="store_true", help="8 iterations, change after 3, adaptive + stable")
+    p.add_argument("--smoke", action="store_true", help="10 iterations, change after 5, adaptive + stable")
     a = p.parse_args(argv)
     if a.worker:
         return d, a.worker
@@ -305,7 +305,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[DemoConfig, str | None]:
     if bad := [r for r in kw["runs"] if r not in RUNS]:
         p.error(f"--runs: unknown {bad}; fix: a comma list of {','.join(RUNS)}")
     if a.smoke:
-        kw.update(iters=8, change_at=3, runs=["adaptive", "stable"], name="replan_demo_smoke")
+        kw.update(iters=10, change_at=5, runs=["adaptive", "stable"], name="replan_demo_smoke")
     cfg = DemoConfig(**kw)
     if not 0 < cfg.change_at < cfg.iters:
         p.error(f"--change-at {cfg.change_at}: must be inside 1..{cfg.iters - 1}")

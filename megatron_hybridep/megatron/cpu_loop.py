@@ -152,10 +152,12 @@ def run(args: argparse.Namespace, collect_params: bool = False,
         if not ok:
             raise RuntimeError(f"iteration {iteration}: optimizer step skipped (non-finite gradients)")
         lr_scheduler.step(increment=args.global_batch_size)
+        iteration += 1
+        # Decide before the next iteration's first gather starts: the scheduler's all-reduce would
+        # otherwise queue behind the gather's bytes on a slow WAN, and a switch has nothing to drop.
+        decision = scheduler.step(iteration) if scheduler is not None else None
         if runtime is not None:
             runtime.after_optimizer_step()
-        iteration += 1
-        decision = scheduler.step(iteration) if scheduler is not None else None
         seconds = time.perf_counter() - t0
         reporter.step(iteration, loss_sum, seconds, grad_norm, lr_scheduler, decision)
         if on_iteration is not None:

@@ -48,9 +48,10 @@ class SchedulerConfig:
     window: int = 3           # bandwidth estimate = median of a level's last `window` samples; no switch
                               # before every measured level has `window` samples
     min_gain: float = 0.10    # switch only when the best plan is predicted this fraction faster per step
-    warmup: int = 2           # first iterations not measured (allocation, first gathers: 1.5-2x slower)
+    warmup: int = 3           # first iterations not measured (allocation, first gathers: 1.5-2x slower)
+    recost_tolerance: float = 0.05  # re-run the cost model only when an input moved by more than this
     min_bytes: float = 64e3   # below this many bytes per interval a level's bandwidth is not re-estimated
-    min_call_s: float = 0.02  # calls faster than this are overhead-bound (gloo on a busy CPU: ~10 ms per
+    min_call_s: float = 0.04  # calls faster than this are overhead-bound (gloo on a busy CPU: 10-30 ms per
                               # call): such a sample says "as fast as configured", not a rate
 
 
@@ -103,6 +104,7 @@ class PlanScheduler:
     history: list[Decision] = field(default_factory=list)
     _streak: tuple[int, int] = (-1, 0)  # (candidate plan index, consecutive agreeing checks)
     _samples: dict[str, list[float]] = field(default_factory=dict)  # per level, the last `window` rates
+    _cache: tuple | None = None         # (inputs, Replan) of the last cost-model run
 
     def __post_init__(self) -> None:
         # per-rank rate of each level as configured: what an overhead-bound sample stands for
@@ -154,11 +156,23 @@ class PlanScheduler:
                        if isinstance(lv, Level) else lv for lv in self.topology.levels)
         return Topology(levels, self.topology.name, self.topology.description, source="measured")
 
-    def decide(self, iteration: int) -> Decision:
+    def _costed(self) -> Replan:
+        """replan() on the current estimates, or its last answer while no input (bandwidth per level,
+        routing per expert) moved by more than recost_tolerance and the plan is the same: the cost
+        model is most of the scheduler's time, and steady estimates give the same answer."""
+        inputs = (self.runtime.active, dict(self.bandwidth_gbps),
+                  None if self.routing is None else self.routing.copy())
+        if self._cache is not None and _close(self._cache[0], inputs, self.config.recost_tolerance):
+            return self._cache[1]
         workload = self.workload if self.routing is None else self.workload.replace(
             routing_counts=np.rint(self.routing).astype(np.int64))
         r = replan(self.measured_topology(), workload, self.runtime.plan, horizon_iterations=self.config.horizon,
                    candidates=self.runtime.plans)
+        self._cache = (inputs, r)
+        return r
+
+    def decide(self, iteration: int) -> Decision:
+        r = self._costed()
         switched = False
         if r.switch and r.current_seconds - r.best_seconds < self.config.min_gain * r.current_seconds:
             r = dataclasses.replace(r, switch=False, plan=self.runtime.plan, reason=(
@@ -190,3 +204,13 @@ class PlanScheduler:
             return None
         self.update_estimates(self.measure())
         return self.decide(iteration)
+
+
+def _close(a: tuple, b: tuple, tol: float) -> bool:
+    """Same plan, same measured levels, every bandwidth and per-expert routing count within tol."""
+    (plan_a, bw_a, rt_a), (plan_b, bw_b, rt_b) = a, b
+    if plan_a != plan_b or bw_a.keys() != bw_b.keys() or (rt_a is None) != (rt_b is None):
+        return False
+    if any(abs(bw_a[k] - bw_b[k]) > tol * abs(bw_a[k]) for k in bw_a):
+        return False
+    return rt_a is None or bool(np.all(np.abs(rt_a - rt_b) <= tol * np.maximum(np.abs(rt_a), 1.0)))

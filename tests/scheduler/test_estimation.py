@@ -147,3 +147,16 @@ def test_no_switch_before_a_full_window_nor_during_warmup():
     rt, s = _scheduler(warmup=2)
     s.measure = None  # warm-up iterations must not even measure
     assert s.step(1) is None and s.step(2) is None and rt.switches == []
+
+
+def test_the_cost_model_reruns_only_when_an_input_moves(monkeypatch):
+    from megatron_hybridep.runtime import scheduler as sched
+
+    runs = []
+    real = sched.replan
+    monkeypatch.setattr(sched, "replan", lambda *a, **k: runs.append(1) or real(*a, **k))
+    rt, s = _scheduler(window=1, recost_tolerance=0.05)
+    _run(s, [FAST, FAST * 1.01, FAST * 0.99, FAST * 1.2, FAST * 1.21])
+    assert len(runs) == 2  # the first sample and the 20% move; 1% noise reuses the answer
+    _run(s, [SLOW] * 3)  # a real change: costed again, and the switch still happens
+    assert rt.switches == [1] and len(runs) >= 4

@@ -1,5 +1,5 @@
 """`benchmarks/replan_demo.py --smoke` on the testbed (root): a short training run whose WAN rate drops
-after iteration 3 switches plan after the drop and never before; the same run with a stable rate
+after iteration 5 switches plan after the drop and never before; the same run with a stable rate
 never switches; outputs written, the testbed torn down."""
 
 from __future__ import annotations
