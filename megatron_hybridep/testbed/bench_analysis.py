@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import platform
+import statistics
 from typing import Any
 
 from megatron_hybridep.testbed import bench_predict as bp
@@ -153,7 +153,8 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         "", br.format_table(rows),
         "median of the timed iterations [min-max]; pred = cost-model prediction (WAN at the TCP goodput of the "
         "rate, token all-to-alls calibrated by the share of it a bare gloo all-to-all of the same size got, below), "
-        "err = (pred - measured) / measured; uncal = the error without that calibration; load = the machine's 1-minute load average around the "
+        "err = (pred - measured) / measured; uncal = the error without that calibration; "
+        "load = the machine's 1-minute load average around the "
         f"timed window ({os.cpu_count()} cores: above that, other jobs competed for them)", "",
         "per phase, ms per iteration (measured / predicted; a2a = forward dispatch + combine, the backward's "
         "transposes are not timed separately):",

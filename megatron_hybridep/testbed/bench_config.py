@@ -51,11 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=None, help=f"limit for the whole run in s "
                         f"(default {d['timeout']:g})")
     parser.add_argument("--burst-ms", type=float, default=None,
-                        help="HTB bucket of each uplink as time at the rate (TestbedConfig.burst_ms; default 1 ms, like a "
-                             "real link that banks no idle time; 0 keeps the testbed's >= 70 KB)")
+                        help="HTB bucket of each uplink as time at the rate (TestbedConfig.burst_ms; default "
+                             "1 ms, like a real link that banks no idle time; 0 keeps the testbed's >= 70 KB)")
     parser.add_argument("--compression-ratio", type=float, default=None,
-                        help=f"{COMPRESSED}: element ratio of the shipped expert weights (shared + top-k residual) "
-                             f"and of the returned gradients (top-k, error feedback) (default {d['compression_ratio']:g})")
+                        help=f"{COMPRESSED}: element ratio of the shipped expert weights "
+                             f"(shared + top-k residual) and of the returned gradients (top-k, error feedback) (default {d['compression_ratio']:g})")
     parser.add_argument("--smoke", action="store_true",
                         help=f"quick end-to-end check: {SMOKE['points']} points from {SMOKE['min_tokens']} tokens, "
                              f"seq {SMOKE['seq']}, {SMOKE['warmup']} warm-up + {SMOKE['iters']} iterations")

@@ -8,8 +8,9 @@ link that banks no idle time: with the default bucket a collective after an idle
 passes its first 70 KB at veth speed, so small collectives run almost unshaped. With ``burst_ms``
 the device also stops building GSO super-packets (gso_max_segs 1): HTB lets one packet through
 whenever its bucket is positive, so a 64 KB GSO packet would pass a 6 KB bucket whole (measured:
-a 64 KB send after idle took 5.9 ms instead of 11 ms at 50 Mbit/s; with this, 10.0 ms). The uplink is shaped on both ends of its veth pair (egress of
-the DC side and egress of the switch-side port), so both directions are limited.
+a 64 KB send after idle took 5.9 ms instead of 11 ms at 50 Mbit/s; with this, 10.0 ms). The uplink
+is shaped on both ends of its veth pair (egress of the DC side and egress of the switch-side port),
+so both directions are limited.
 """
 
 from __future__ import annotations

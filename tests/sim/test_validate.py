@@ -145,9 +145,9 @@ MEASURED = os.path.join(os.path.dirname(__file__), "data", "bench_2dc_x_2_50mbit
 
 def test_recorded_testbed_run():
     """A real `hybridep bench` run (2 DCs x 2 CPU ranks, 50 Mbit/s WAN with a 1 ms HTB bucket, 6 points x
-    4 systems, 7 timed iterations each; tests/sim/data, the main run before the bench launched fresh ranks per point): at least 90% of the
-    points within 15% of the measured median, none off by more than 25% (single points are noisy:
-    min-max spreads of 10-20% at 7 iterations)."""
+    4 systems, 7 timed iterations each; tests/sim/data, the main run before the bench launched fresh
+    ranks per point): at least 90% of the points within 15% of the measured median, none off by more
+    than 25% (single points are noisy: min-max spreads of 10-20% at 7 iterations)."""
     comps = compare(read_bench_csv(MEASURED))
     assert len(comps) == 24
     assert {c.point.system for c in comps} == {"ep", "replicated", "hybridep", "hybridep-compressed"}

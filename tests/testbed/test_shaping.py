@@ -37,7 +37,6 @@ def test_selfcheck_cross_dc_within_10_percent_and_intra_dc_far_above(prefix):
 
 def _send_after_idle_ms(tb, nbytes):
     """Milliseconds to move nbytes dc0 -> dc1 on an idle connection (until the last byte arrived)."""
-    import socket
     import time
 
     from megatron_hybridep.testbed import netns
