@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "1 ms, like a real link that banks no idle time; 0 keeps the testbed's >= 70 KB)")
     parser.add_argument("--compression-ratio", type=float, default=None,
                         help=f"{COMPRESSED}: element ratio of the shipped expert weights "
-                             f"(shared + top-k residual) and of the returned gradients (top-k, error feedback) (default {d['compression_ratio']:g})")
+                             f"(shared + top-k residual) and of the returned gradients (top-k, error feedback) "
+                             f"(default {d['compression_ratio']:g})")
     parser.add_argument("--smoke", action="store_true",
                         help=f"quick end-to-end check: {SMOKE['points']} points from {SMOKE['min_tokens']} tokens, "
                              f"seq {SMOKE['seq']}, {SMOKE['warmup']} warm-up + {SMOKE['iters']} iterations")
