@@ -252,8 +252,8 @@ def write_outputs(cfg: DemoConfig, results: list[tuple[str, int, dict[str, Any]]
                 ax.annotate(f"switch -> {r['plan'].removeprefix('domains ')}", (r["iteration"], r["step_s"] * 1e3),
                             fontsize=7, rotation=30)
     ax.axvline(cfg.change_at + 0.5, color="grey", ls="--", lw=1)
-    ax.text(cfg.change_at + 0.7, ax.get_ylim()[1] * 0.95, f"WAN {cfg.rate_high:g} -> {cfg.rate_low:g} Mbit/s",
-            fontsize=8, va="top")
+    ax.text(cfg.change_at + 0.7, ax.get_ylim()[0] * 1.05, f"WAN {cfg.rate_high:g} -> {cfg.rate_low:g} Mbit/s",
+            fontsize=8, va="bottom")
     ax.set_xlabel("iteration")
     ax.set_ylabel("step time (ms, rank 0)")
     ax.set_yscale("log")

@@ -49,7 +49,7 @@ class SchedulerConfig:
                               # before every measured level has `window` samples
     min_gain: float = 0.10    # switch only when the best plan is predicted this fraction faster per step
     warmup: int = 3           # first iterations not measured (allocation, first gathers: 1.5-2x slower)
-    recost_tolerance: float = 0.05  # re-run the cost model only when an input moved by more than this
+    recost_tolerance: float = 0.10  # re-run the cost model only when an input moved by more than this
     min_bytes: float = 64e3   # below this many bytes per interval a level's bandwidth is not re-estimated
     min_call_s: float = 0.04  # calls faster than this are overhead-bound (gloo on a busy CPU: 10-30 ms per
                               # call): such a sample says "as fast as configured", not a rate
@@ -207,10 +207,11 @@ class PlanScheduler:
 
 
 def _close(a: tuple, b: tuple, tol: float) -> bool:
-    """Same plan, same measured levels, every bandwidth and per-expert routing count within tol."""
+    """Same plan, same measured levels, every bandwidth within tol, the routing matrix within tol (L1)."""
     (plan_a, bw_a, rt_a), (plan_b, bw_b, rt_b) = a, b
     if plan_a != plan_b or bw_a.keys() != bw_b.keys() or (rt_a is None) != (rt_b is None):
         return False
     if any(abs(bw_a[k] - bw_b[k]) > tol * abs(bw_a[k]) for k in bw_a):
         return False
-    return rt_a is None or bool(np.all(np.abs(rt_a - rt_b) <= tol * np.maximum(np.abs(rt_a), 1.0)))
+    # routing as a whole (L1): per-expert counts of a few hundred tokens jitter by more than tol
+    return rt_a is None or float(np.abs(rt_a - rt_b).sum()) <= tol * max(float(np.abs(rt_a).sum()), 1.0)

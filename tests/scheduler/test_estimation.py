@@ -155,7 +155,7 @@ def test_the_cost_model_reruns_only_when_an_input_moves(monkeypatch):
     runs = []
     real = sched.replan
     monkeypatch.setattr(sched, "replan", lambda *a, **k: runs.append(1) or real(*a, **k))
-    rt, s = _scheduler(window=1, recost_tolerance=0.05)
+    rt, s = _scheduler(window=1, recost_tolerance=0.05)  # 1% noise stays inside, a 20% move does not
     _run(s, [FAST, FAST * 1.01, FAST * 0.99, FAST * 1.2, FAST * 1.21])
     assert len(runs) == 2  # the first sample and the 20% move; 1% noise reuses the answer
     _run(s, [SLOW] * 3)  # a real change: costed again, and the switch still happens
