@@ -135,8 +135,9 @@ def worker(spec_path: str) -> int:
         row = {"iteration": iteration, "step_s": seconds, "t": now, "plan": rt.plan.label if rt else "",
                "switched": bool(decision is not None and decision.switched)}
         if decision is not None:
-            row.update(predicted_current_s=decision.replan.current_seconds, predicted_best_s=decision.replan.best_seconds,
-                       best=decision.replan.plan.label, **{f"bw_{k}_gbps": v for k, v in decision.bandwidth_gbps.items()})
+            r = decision.replan
+            row.update(predicted_current_s=r.current_seconds, predicted_best_s=r.best_seconds, best=r.plan.label,
+                       **{f"bw_{k}_gbps": v for k, v in decision.bandwidth_gbps.items()})
         rows.append(row)
         if client is not None and iteration == spec["change_at"]:
             client.request({"op": "change", "iteration": iteration})  # returns once the rate has changed
@@ -223,7 +224,8 @@ def summarise(kind: str, repeat: int, res: dict[str, Any], cfg: DemoConfig) -> d
             "changed_at": res["changed_at"]}
 
 
-def write_outputs(cfg: DemoConfig, results: list[tuple[str, int, dict[str, Any]]], out: Path) -> tuple[Path, Path | None]:
+def write_outputs(cfg: DemoConfig, results: list[tuple[str, int, dict[str, Any]]],
+                  out: Path) -> tuple[Path, Path | None]:
     out.mkdir(parents=True, exist_ok=True)
     csv_path = out / f"{cfg.name}.csv"
     keys = ["run", "repeat", "iteration", "step_s", "plan", "switched", "best", "predicted_current_s",
@@ -343,8 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     text = report(cfg, plans, summaries)
     print(text)
     (out / f"{cfg.name}.txt").write_text(text + "\n")
-    (out / f"{cfg.name}.json").write_text(json.dumps({"config": asdict(cfg), "plans": {k: p.label for k, p in plans.items()},
-                                                      "summaries": summaries}, indent=1))
+    labels = {k: p.label for k, p in plans.items()}
+    (out / f"{cfg.name}.json").write_text(json.dumps({"config": asdict(cfg), "plans": labels, "summaries": summaries},
+                                                     indent=1))
     print(f"wrote {csv_path}" + (f", {png}" if png else ""))
     return 0
 

@@ -40,12 +40,12 @@ PRESET = os.path.join(REPO, "configs", "presets", "cpu_demo.yaml")
 
 
 def rank(ctx: Any, argv: list[str]) -> dict[str, Any]:
+    import torch.distributed as dist
+
     from megatron_hybridep.megatron import cpu_loop
     from megatron_hybridep.megatron.arguments import parse
     from megatron_hybridep.runtime import scheduler
     from megatron_hybridep.runtime.instrument import Stats
-
-    import torch.distributed as dist
 
     t = {"measure_sync": 0.0, "measure_wait": 0.0, "decide": 0.0, "idle": 0.0, "decisions": 0}
     calls = {"add": 0, "add_routing": 0}
@@ -137,7 +137,9 @@ def main() -> int:
         instr = statistics.median(r["add_per_iter"] * add_s + r["routing_per_iter"] * routing_s for r in rows)
         frac = (sched + instr) / step
         worst = max(worst, frac)
-        per = lambda k: statistics.median(r[k] / max(1, r["decisions"]) for r in rows) * 1e3  # noqa: E731
+        def per(key: str, rows: list[dict[str, Any]] = rows) -> float:
+            return statistics.median(r[key] / max(1, r["decisions"]) for r in rows) * 1e3
+
         print(f"{interval:8d} {step * 1e3:8.1f} {per('measure_sync'):13.3f} {per('measure_wait'):11.3f} "
               f"{per('decide'):9.3f} {sched * 1e3:17.3f} {instr * 1e3:18.3f} {frac:9.2%} {rows[0]['decisions']:9d}",
               flush=True)

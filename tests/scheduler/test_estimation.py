@@ -122,7 +122,8 @@ def _measure_on_ranks(ctx):
     rt.stats.add(0, "token_dispatch", "rail", 0, 0.1 * (ctx.rank + 1))  # rank 1 waited 0.1 s longer
     rt.stats.add(0, "token_dispatch", "rail", 1000 * (ctx.rank + 1), 0.0, level="dc")
     topo = Topology((Level("dc", 2, 1.0, 0.0),))
-    m = PlanScheduler(rt, topo, Workload(hidden_size=8, ffn_hidden_size=8, num_experts=4, top_k=1, num_moe_layers=1)).measure()
+    work = Workload(hidden_size=8, ffn_hidden_size=8, num_experts=4, top_k=1, num_moe_layers=1)
+    m = PlanScheduler(rt, topo, work).measure()
     return m.routing.tolist(), m.level_bytes, m.level_seconds, m.level_calls
 
 
