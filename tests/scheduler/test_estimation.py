@@ -12,6 +12,7 @@ from megatron_hybridep.plan.workload import Workload
 from megatron_hybridep.runtime.instrument import Stats
 from megatron_hybridep.runtime.launch import run_ranks
 from megatron_hybridep.runtime.scheduler import Measurement, PlanScheduler, SchedulerConfig, blocking_by_level
+from tests.scheduler.test_scheduler import FakeRuntime
 
 # The replan demo's world: 2 DCs x 2 ranks, a 2048-token-per-rank GPT-MoE with small experts.
 # Fast WAN: all four ranks share every expert (S=4, no token traffic); slow WAN: pairs across the DCs.
@@ -21,19 +22,6 @@ WORK = Workload(hidden_size=64, ffn_hidden_size=128, num_experts=8, top_k=2, num
 ALL4 = Plan.grid((2, 2), (2, 2), 8, ("dc", "gpu"))
 PAIRS = Plan.grid((2, 2), (2, 1), 8, ("dc", "gpu"))
 FAST, SLOW = 0.45, 0.02  # Gbit/s per rank: a 1 Gbit/s and a 50 Mbit/s uplink shared by 2 ranks
-
-
-class FakeRuntime:
-    def __init__(self, plans, active):
-        self.plans, self.active, self.switches, self.stats = plans, active, [], Stats()
-
-    @property
-    def plan(self):
-        return self.plans[self.active]
-
-    def switch(self, index):
-        self.switches.append(index)
-        self.active = index
 
 
 def _m(dc_gbps, secs=0.05):
