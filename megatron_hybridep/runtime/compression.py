@@ -421,7 +421,8 @@ class SharedResidualCodec:
                      *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Encode E same-shaped experts into one flat uint8 buffer of E slots of ``nbytes`` each
         (slot e = expert e; slots stay 16-byte aligned), e.g. the input of a domain all-gather.
-        ``weights``: a [E, ...] tensor (such as a view of a rank's flat expert buffer) or a list."""
+        ``weights``: a [E, ...] tensor (such as a view of a rank's flat expert buffer) or a list.
+        ``shared``: one tensor for all experts, or one per expert ([E, ...], e.g. each peer's copy)."""
         ws = list(weights.unbind(0)) if isinstance(weights, torch.Tensor) else list(weights)
         if not ws:
             raise ValueError("no experts to encode")
@@ -430,7 +431,7 @@ class SharedResidualCodec:
         if buf.numel() != len(ws) * nb:
             raise ValueError(f"out has {buf.numel()} bytes, {len(ws)} experts need {len(ws) * nb}")
         for e, w in enumerate(ws):
-            self.encode(w, shared, out=buf[e * nb:(e + 1) * nb])
+            self.encode(w, _per_expert(shared, e, w), out=buf[e * nb:(e + 1) * nb])
         return buf
 
     def decode_batch(self, payloads: torch.Tensor, shared: torch.Tensor | None = None, *,
@@ -443,8 +444,15 @@ class SharedResidualCodec:
         if flat.numel() != e_count * nb:
             raise ValueError(f"payloads have {flat.numel()} bytes, {e_count} experts need {e_count * nb}")
         for e in range(e_count):
-            self.decode(flat[e * nb:(e + 1) * nb], shared, out=out[e], src_dtype=src_dtype)
+            self.decode(flat[e * nb:(e + 1) * nb], _per_expert(shared, e, out[e]), out=out[e], src_dtype=src_dtype)
         return out
+
+
+def _per_expert(shared: torch.Tensor | None, e: int, like: torch.Tensor) -> torch.Tensor | None:
+    """Expert e's base: ``shared`` itself, or its row e when there is one base per expert."""
+    if shared is None or shared.dim() == like.dim():
+        return shared
+    return shared[e]
 
 
 class TopKCodec(SharedResidualCodec):

@@ -38,8 +38,6 @@ from megatron_hybridep.runtime.compression import (
     ErrorFeedbackTopK,
     SharedExpertRule,
     SharedResidualCodec,
-    decode_into,
-    encode,
 )
 from megatron_hybridep.runtime.instrument import Stats
 
@@ -153,7 +151,9 @@ class DomainGather:
         self.config = config or MigrationConfig()
         self.shared = shared
         dtype = self.params[0].dtype
-        self.codec = (SharedResidualCodec(self.config.compression_ratio, use_shared=self.config.use_shared)
+        # incremental: the codec's base is the peers' copy, which plain top-k seeds with zeros
+        self.codec = (SharedResidualCodec(self.config.compression_ratio,
+                                          use_shared=self.config.use_shared or self.config.incremental)
                       if self.config.compresses_weights else None)
         self.grad_codec = (ErrorFeedbackTopK(self.config.grad_compression_ratio)
                            if self.config.compresses_grads else None)
@@ -200,7 +200,7 @@ class DomainGather:
             base = self._initial_base(rows, shared)
         else:
             base = self._rebase(self._held, self._held_shared, shared)
-        return self._encode_rows(rows, base), shared, base
+        return self.codec.encode_batch(rows, base), shared, base
 
     def encode_ahead(self) -> None:
         """Right after the optimizer step (compressed only): encode now, while the weights are fresh,
@@ -216,7 +216,7 @@ class DomainGather:
         payload, shared, base = self._encoded or self._encode()
         self._encoded = None
         if base is not None:  # what the peers will hold once they decode this payload
-            self._held = self._decode_rows(payload, base, out=base)  # in place: the base is private
+            self._held = self.codec.decode_batch(payload, base, out=base)  # in place: the base is private
             self._held_shared = shared
         buffer = payload.new_empty(self.size * payload.numel())
         handle = _all_gather(buffer, payload, group=self.group, async_op=True)
@@ -264,7 +264,7 @@ class DomainGather:
                     base = self._initial_base(rows[q], pending.shared)
                 else:
                     base = self._rebase(self._copies[q], self._copies_shared, pending.shared)
-                self._decode_rows(slots[q], base, out=rows[q])
+                self.codec.decode_batch(slots[q], base, out=rows[q])
             if self.config.incremental:
                 self._copies = rows.detach()  # never written in place: the next gather decodes into a new buffer
                 self._copies_shared = pending.shared
@@ -288,23 +288,6 @@ class DomainGather:
         if shared is None:
             return torch.zeros_like(rows)
         return shared.reshape(1, -1).expand_as(rows).clone()
-
-    def _encode_rows(self, rows: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        nb = self.codec.nbytes(rows[0].numel(), rows.dtype)
-        out = torch.empty(rows.shape[0] * nb, dtype=torch.uint8, device=rows.device)
-        for e in range(rows.shape[0]):
-            encode(rows[e], base[e], self.codec.layout(rows[e].numel(), rows.dtype), out=out[e * nb:(e + 1) * nb],
-                   backend=self.codec.backend)
-        return out
-
-    def _decode_rows(self, payload: torch.Tensor, base: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out[e] = base[e] + residual[e] (base may alias out)."""
-        flat = payload.reshape(-1)
-        nb = flat.numel() // out.shape[0]
-        for e in range(out.shape[0]):
-            decode_into(flat[e * nb:(e + 1) * nb], self.codec.layout(out[e].numel(), out.dtype), base[e], out[e],
-                        backend=self.codec.backend)
-        return out
 
     def _return_grads(self, grad: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
