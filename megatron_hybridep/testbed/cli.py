@@ -28,6 +28,9 @@ def _topology_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst", default="default",
                    help="HTB bucket of each uplink as time at the rate, e.g. 1ms (a link that banks no idle "
                         "time); default: >= 70 KB, which lets the first 70 KB after an idle gap pass unshaped")
+    p.add_argument("--fabric", default="none",
+                   help="each DC's internal fabric, shared by its ranks (lo inside the DC): e.g. 800mbit; "
+                        "default none (unshaped, ~30 Gbit/s)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +65,7 @@ def _config(args: argparse.Namespace, prefix: str | None, persistent: bool) -> T
         delay_ms=shaping.parse_time_ms(args.delay),
         jitter_ms=shaping.parse_time_ms(args.jitter),
         burst_ms=shaping.parse_burst_ms(args.burst),
+        fabric_mbit=shaping.parse_rate_mbit(args.fabric),
         prefix=prefix,
         persistent=persistent,
     )

@@ -6,7 +6,9 @@
 
 Each veth pair is one DC's uplink; it is shaped on both ends (DC-side egress: traffic leaving the
 DC, switch-side egress: traffic entering it), so a cross-DC flow runs at min(rate_src, rate_dst).
-Ranks of one DC share its namespace and address; their traffic goes over lo, unshaped.
+Ranks of one DC share its namespace and address; their traffic goes over lo, unshaped unless
+`fabric_mbit` is set: then lo is shaped at that rate, one queue shared by all the DC's ranks in both
+directions (a DC fabric scaled down like the WAN, so intra-DC token traffic costs time too).
 Delay/jitter is added on the DC-side egress only: one-way latency dc a -> dc b = delay_a.
 
 Usage:
@@ -73,6 +75,7 @@ class TestbedConfig:
     delay_ms: float = 0.0
     jitter_ms: float = 0.0
     burst_ms: float | None = None  # HTB bucket of every shaped end as ms at the rate; None: >= 70 KB (shaping.py)
+    fabric_mbit: float | None = None  # each DC's internal fabric (lo, shared by its ranks); None = unshaped
     subnet: str = "10.77.0"  # a /24 that exists only inside our namespaces; DC i is .(i+1)
     prefix: str | None = None  # default "hep-<pid>"
     persistent: bool = False  # kept up after the owner exits (`hybridep testbed up`)
@@ -98,6 +101,10 @@ class TestbedConfig:
             raise TestbedError("jitter needs a delay (netem varies the delay by +- jitter)")
         shaping.parse_burst_ms(self.burst_ms)
         self.rates()
+        try:
+            shaping.parse_rate_mbit(self.fabric_mbit)
+        except TestbedError as exc:
+            raise TestbedError(f"fabric_mbit (--fabric): {exc}") from None
 
 
 class Testbed:
@@ -207,6 +214,9 @@ class Testbed:
                 netem_checked = True
             self._apply(dc, ns, DC_DEV, dc_shape)
             self._apply(dc, sw, port, shaping.LinkShape(rates[dc], burst_ms=burst))
+            if (fabric := shaping.parse_rate_mbit(self.config.fabric_mbit)) is not None:
+                # lo carries 64 KB packets: the default >= 70 KB bucket, never the wire-size setting
+                shaping.apply(ns, "lo", shaping.LinkShape(fabric))
 
     def _apply(self, dc: int, ns: str, dev: str, shape: shaping.LinkShape) -> None:
         if shape.rate_mbit is not None or shape.needs_netem:
@@ -317,9 +327,9 @@ class Testbed:
             self._write_state()  # so `status` and attach() see the current rates
 
     def expected_mbit(self, src_dc: int, dst_dc: int) -> float | None:
-        """The rate a flow src -> dst should get: min of both uplinks; None inside a DC/unshaped."""
+        """The rate a flow src -> dst should get: min of both uplinks (inside a DC: the fabric); None unshaped."""
         if src_dc == dst_dc:
-            return None
+            return shaping.parse_rate_mbit(self.config.fabric_mbit)
         rates = [r for r in (self.rates()[src_dc], self.rates()[dst_dc]) if r is not None]
         return min(rates) if rates else None
 
@@ -400,6 +410,8 @@ class Testbed:
             extra += f", delay {self.config.delay_ms:g} ms"
             if self.config.jitter_ms:
                 extra += f" +- {self.config.jitter_ms:g} ms"
+        if (fabric := shaping.parse_rate_mbit(self.config.fabric_mbit)) is not None:
+            extra += f", DC fabric {fabric:g} Mbit/s (shared by a DC's ranks)"
         return (f"testbed {self.prefix}: {self.dcs} DCs x {self.config.ranks_per_dc} ranks, "
                 f"uplink Mbit/s [{rates}]{extra}")
 

@@ -35,6 +35,25 @@ def test_selfcheck_cross_dc_within_10_percent_and_intra_dc_far_above(prefix):
     assert "self-check: PASS" in report.format()
 
 
+def test_fabric_shapes_intra_dc_traffic_and_leaves_the_uplinks_alone(prefix):
+    with Testbed(dcs=2, rate_mbit=50, fabric_mbit=200, prefix=prefix) as tb:
+        assert tb.expected_mbit(0, 0) == 200 and tb.expected_mbit(0, 1) == 50
+        assert "DC fabric 200 Mbit/s" in tb.describe()
+        report = tb.selfcheck(seconds=SECONDS)
+    print(report.format())
+    assert report.ok, report.format()
+    intra = [m for m in report.measurements if m.intra]
+    assert intra and abs(intra[0].mbit / 200 - 1) <= 0.10, intra
+    for m in report.measurements:
+        if not m.intra and not m.two_way:
+            assert abs(m.mbit / 50 - 1) <= 0.10, m
+
+
+def test_fabric_rejects_nonsense_naming_the_field(prefix):
+    with pytest.raises(TestbedError, match=r"fabric_mbit \(--fabric\)"):
+        Testbed(dcs=2, fabric_mbit="fast", prefix=prefix)
+
+
 def _send_after_idle_ms(tb, nbytes):
     """Milliseconds to move nbytes dc0 -> dc1 on an idle connection (until the last byte arrived)."""
     import time
