@@ -18,7 +18,13 @@
   expert data-parallel replicas (blocking: the runtime builds DDP with overlap_grad_reduce=False);
 - shared+residual compression refreshes the shared expert inside ``DomainGather.start()`` (a
   blocking all-reduce over the EP group, every refresh_every steps: its bytes come amortised per
-  step), before the first gather of each layer in a step.
+  step), before the first gather of each layer in a step;
+- hot-expert replicas (plan.replicas, runtime/replication.py): ``start_gather`` starts the replica
+  weights all-to-all (owner -> replica rank, exact) right after the gather, so it is prefetched
+  with it; ``preprocess`` waits for it before the dispatch (replica_experts.py), so layer 0 of
+  micro-batches after the first, started at its MoE block, hides behind nothing; in the backward
+  the replicas' gradients go back to the owners (blocking) after the dispatch's transpose, before
+  attention's backward.
 Not modelled: the codec's encode/decode compute (fused with the optimizer step / the expert GEMM).
 
 ``gather="iteration"`` models a runtime that keeps gathered copies for all micro-batches and
@@ -73,19 +79,23 @@ class LayerWork:
 
 def build_program(layers: Sequence[LayerWork], micro_batches: int, *, gather: str | None,
                   grad_return: str | None, shared_sync: str | None, options: SimOptions,
-                  present: set[str] | None = None) -> list[Instr]:
+                  present: set[str] | None = None, replicas: str | None = None,
+                  replica_grad: str | None = None) -> list[Instr]:
     """Instructions of one iteration on one rank of an EP group (world-level collectives are
-    appended by the caller). ``gather``/``grad_return``/``shared_sync``: collective names or None;
-    ``present``: the collectives that move bytes (others, e.g. the all-to-all of S = G, are skipped)."""
+    appended by the caller). ``gather``/``grad_return``/``shared_sync``/``replicas`` (the replica
+    weights)/``replica_grad``: collective names or None; ``present``: the collectives that move
+    bytes (others, e.g. the all-to-all of S = G, are skipped)."""
+    names = (gather, grad_return, shared_sync, replicas, replica_grad)
     if present is not None:
-        gather, grad_return, shared_sync = (x if x in present else None for x in (gather, grad_return, shared_sync))
+        gather, grad_return, shared_sync, replicas, replica_grad = (x if x in present else None for x in names)
     once = options.gather == "iteration" or options.schedule == "paper"
+    runtime = options.schedule == "runtime"
     prog: list[Instr] = []
     add = prog.append
     Lm = len(layers)
 
-    def key(mb: int, layer: int) -> str:
-        return f"gather@{mb}.{layer}"
+    def key(op: str | None, mb: int, layer: int) -> str:
+        return f"{op}@{mb}.{layer}"  # _reports reads the collective's name before the @
 
     def gathers(mb: int) -> bool:
         return gather is not None and (mb == 0 or not once)
@@ -93,37 +103,60 @@ def build_program(layers: Sequence[LayerWork], micro_batches: int, *, gather: st
     def returns(mb: int) -> bool:
         return grad_return is not None and (mb == micro_batches - 1 or not once)
 
+    def exchanges(mb: int) -> bool:  # replicas follow the gather's rhythm (runtime: every micro-batch)
+        return replicas is not None and (mb == 0 or not once)
+
+    def gives_back(mb: int) -> bool:
+        return replica_grad is not None and (mb == micro_batches - 1 or not once)
+
     def refresh(layer: int, stage: str) -> None:
         # DomainGather.start() refreshes the shared expert (a blocking all-reduce over the EP group,
         # amortised per step) right before the first gather of each layer in a step
         if shared_sync is not None:
             add(Instr(BLOCK, "shared_sync", op=shared_sync, layer=layer, micro_batch=0, stage=stage))
 
-    if options.schedule == "paper":
+    def start(layer: int, mb: int, stage: str) -> None:
+        # HybridEPMoELayer.start_gather: the domain gather (after its refresh), then the replica weights
+        at = _at(layer, mb, stage)
+        if gathers(mb):
+            if mb == 0 and runtime:
+                refresh(layer, stage)
+            add(at(START, "expert_allgather", op=gather, key=key(gather, mb, layer)))
+        if exchanges(mb):
+            add(at(START, "replica_weights", op=replicas, key=key(replicas, mb, layer)))
+
+    def wait_gather(at: Callable[..., Instr], mb: int, layer: int) -> None:
+        if gathers(mb):
+            add(at(WAIT, "expert_allgather", op=key(gather, mb, layer)))
+
+    def wait_replicas(at: Callable[..., Instr], mb: int, layer: int) -> None:
+        if exchanges(mb):
+            add(at(WAIT, "replica_weights", op=key(replicas, mb, layer)))
+
+    if runtime:
+        start(0, 0, "step")   # after_optimizer_step
+    else:
         for layer in range(Lm):
             refresh(layer, "step")
-    if gather is not None and options.schedule == "runtime":
-        refresh(0, "step")
-        add(Instr(START, "expert_allgather", op=gather, key=key(0, 0), layer=0, micro_batch=0, stage="step"))
     for mb in range(micro_batches):
         for layer, w in enumerate(layers):
             at: Callable[..., Instr] = _at(layer, mb, "fwd")
-            if options.schedule == "paper" and gathers(mb):
-                add(at(START, "expert_allgather", op=gather, key=key(mb, layer)))
+            if not runtime:
+                start(layer, mb, "fwd")
             add(at(COMPUTE, "pre_compute", seconds=w.t_pre))
-            if options.schedule == "paper" and gathers(mb):
-                add(at(WAIT, "expert_allgather", op=key(mb, layer)))
-            if options.schedule == "runtime" and gathers(mb) and mb > 0 and layer == 0:
-                add(at(START, "expert_allgather", op=gather, key=key(mb, 0)))   # MoE forward() start
+            if not runtime:
+                wait_gather(at, mb, layer)
+                wait_replicas(at, mb, layer)
+            if runtime and mb > 0 and layer == 0:
+                start(0, mb, "fwd")                     # MoE forward(): nothing prefetches it
+            if runtime:
+                wait_replicas(at, mb, layer)            # preprocess: replica_experts, before the dispatch
             add(at(BLOCK, "token_a2a_fwd", op=w.dispatch))
-            if options.schedule == "runtime" and gathers(mb):
-                add(at(WAIT, "expert_allgather", op=key(mb, layer)))            # borrowed()
+            if runtime:
+                wait_gather(at, mb, layer)              # borrowed()
             add(at(COMPUTE, "expert_compute", seconds=w.expert))
-            if options.schedule == "runtime" and gathers(mb) and layer + 1 < Lm:
-                if mb == 0:
-                    refresh(layer + 1, "fwd")
-                add(_at(layer + 1, mb, "fwd")(START, "expert_allgather", op=gather,
-                                              key=key(mb, layer + 1)))  # after_experts
+            if runtime and layer + 1 < Lm:
+                start(layer + 1, mb, "fwd")             # after_experts
             add(at(BLOCK, "token_a2a_fwd", op=w.combine))
         if not options.backward:
             continue
@@ -135,6 +168,8 @@ def build_program(layers: Sequence[LayerWork], micro_batches: int, *, gather: st
             if returns(mb):
                 add(at(BLOCK, "grad_return", op=grad_return))
             add(at(BLOCK, "token_a2a_bwd", op=w.combine))     # dispatch's transpose
+            if gives_back(mb):  # _Exchanged.backward: needs the dispatch's input gradient
+                add(at(BLOCK, "replica_grad_return", op=replica_grad))
             add(at(COMPUTE, "pre_compute", seconds=2 * w.t_pre))
     if present is not None:
         prog = [i for i in prog if i.kind not in (BLOCK, START) or i.op in present]

@@ -4,10 +4,11 @@
     result = simulate(topo, work)                 # plan = the planner's choice (choose_plan)
 
 How: the EP groups of the world run the same program on disjoint links (an EP group is a contiguous
-block of ranks; its token all-to-alls, expert gathers and gradient returns stay inside it), so each
-*class* of EP groups (same per-pair overrides inside its span) is simulated once in its own space
-(flows.py) and the iteration waits for the slowest. Then the collectives that cross EP groups (expert
-data-parallel all-reduce, the replicated plan's all-reduce over DCs) run on the world's links.
+block of ranks; its token all-to-alls, expert gathers, replica exchanges and gradient returns stay
+inside it), so each *class* of EP groups (same per-pair overrides inside its span) is simulated once
+in its own space (flows.py) and the iteration waits for the slowest. Then the collectives that cross
+EP groups (expert data-parallel all-reduce, the replicated plan's all-reduce over DCs) run on the
+world's links.
 
 Complexity. Flow classes per collective: F = R (M - 1) for an all-to-all over groups of M ranks, R for a
 ring, with R = prod_l pi_l representatives (flows.py; balanced routing on uniform links: pi = the domain
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from megatron_hybridep.plan.errors import PlanError
+from megatron_hybridep.plan.hot import REPLICA_PHASES
 from megatron_hybridep.plan.network import (
     Family,
     dc_replica_family,
@@ -105,14 +107,17 @@ def _local(fam: Family, outer: int) -> Family:
 
 
 def ep_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLayout
-                   ) -> tuple[list[Collective], list[LayerWork], str | None, str | None, str | None]:
-    """Collectives inside one EP group (levels ``lay.outer``.. of the world) and the per-layer work."""
+                   ) -> tuple[list[Collective], list[LayerWork], dict[str, str | None]]:
+    """Collectives inside one EP group (levels ``lay.outer``.. of the world), the per-layer work and
+    the names ``build_program`` takes (gather, grad_return, shared_sync, replicas, replica_grad)."""
     w, G, E = workload, plan.ep_size, plan.num_experts
     o = lay.outer
     S_world = world_domain_sizes(lay, plan.domain_sizes)
     rails = _local(rail_family(lay, S_world), o)
     colls: list[Collective] = []
     routing = w.routing_for(G)
+    if routing is None and plan.replicas:  # balanced, spelled out so tokens follow the replicas (as hot.py)
+        routing = np.full((1, G, E), w.tokens * w.top_k / E)
     layers: list[LayerWork] = []
     if routing is None:
         pair = w.dispatch_bytes * plan.domain_size / G
@@ -132,7 +137,7 @@ def ep_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLa
             load = float(np.bincount(dst, weights=c, minlength=G).max())
             works.append(LayerWork(w.t_pre, load * w.expert_seconds_per_token, f"dispatch{i}", f"combine{i}"))
         layers = [works[li % len(works)] for li in range(w.num_moe_layers)] if len(works) == 1 else works
-    gather = grad_return = shared = None
+    names: dict[str, str | None] = dict.fromkeys(("gather", "grad_return", "shared_sync", "replicas", "replica_grad"))
     if plan.kind == "domains" and plan.domain_size > 1:
         S = plan.domain_size
         own = E // G
@@ -142,12 +147,28 @@ def ep_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLa
             colls.append(Collective("grad_return", A2A, dom, own * w.grad_wire_bytes, 1))
         else:                               # reduce_scatter: a ring
             colls.append(Collective("grad_return", RING, dom, (S - 1) * own * w.grad_wire_bytes, S - 1))
-        gather, grad_return = "gather", "grad_return"
-    if gather is not None and w.shared_sync_bytes:  # refreshed by DomainGather.start(): domains of S > 1
+        names.update(gather="gather", grad_return="grad_return")
+    if names["gather"] is not None and w.shared_sync_bytes:  # refreshed by DomainGather.start(): domains of S > 1
         group = _local(domain_family(lay, lay.extent), o)
         colls.append(Collective("shared_sync", RING, group, 2 * (G - 1) / G * w.shared_sync_bytes, 2 * (G - 1)))
-        shared = "shared_sync"
-    return colls, layers, gather, grad_return, shared
+        names["shared_sync"] = "shared_sync"
+    if plan.replicas:
+        colls += replica_collectives(w, plan)
+        names.update(replicas="replica_weights", replica_grad="replica_grad_return")
+    return colls, layers, names
+
+
+def replica_collectives(w: Workload, plan: Plan) -> list[Collective]:
+    """The replica exchange as runtime/replication.py runs it: one all-to-all per direction, so all
+    rows between two ranks are one message (one flow); exact weights out, exact gradients back."""
+    G = plan.ep_size
+    experts, ranks = (np.array(x, dtype=np.int64) for x in zip(*plan.replicas.pairs, strict=True))
+    owners = experts // plan.experts_per_rank
+    copies = np.bincount(owners * G + ranks, minlength=G * G)
+    s, d = np.divmod(np.arange(G * G), G)
+    return [Collective("replica_weights", PAIRS, src=s, dst=d, pair_bytes=copies * w.expert_bytes),
+            Collective("replica_grad_return", PAIRS, src=d, dst=s,
+                       pair_bytes=copies * w.expert_params * w.grad_bytes)]
 
 
 def world_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLayout,
@@ -246,10 +267,9 @@ def simulate(topology: Topology, workload: Workload, plan: Plan | None = None, *
     options = options or SimOptions()
     plan = resolve_plan(topology, workload, plan, ep_size)
     lay = check_plan(topology, workload, plan)
-    colls, layers, gather, grad_return, shared = ep_collectives(topology, workload, plan, lay)
+    colls, layers, names = ep_collectives(topology, workload, plan, lay)
     present = {c.name for c in colls if not c.empty}
-    program = build_program(layers, workload.micro_batches, gather=gather, grad_return=grad_return,
-                            shared_sync=shared, options=options, present=present)
+    program = build_program(layers, workload.micro_batches, **names, options=options, present=present)
     stats = EngineStats()
     classes: list[GroupClass] = []
     worst: tuple[Trace, list[FlowSet], Space] | None = None
@@ -287,7 +307,7 @@ def simulate(topology: Topology, workload: Workload, plan: Plan | None = None, *
         reports_sets.update({fs.name: (fs, wspace) for fs in wsets})
 
     spans.sort(key=lambda s: (s.start, s.kind == "async"))
-    phases = {p: exposed.get(p, 0.0) for p in PHASES}
+    phases = {p: exposed.get(p, 0.0) for p in PHASES + (REPLICA_PHASES if plan.replicas else ())}
     for k, v in exposed.items():
         if k not in phases:
             phases[k] = v
@@ -301,6 +321,9 @@ def simulate(topology: Topology, workload: Workload, plan: Plan | None = None, *
     if plan.kind == "domains" and plan.domain_size > 1 and workload.micro_batches > 1 and options.gather != "iteration":
         notes.append(f"the runtime gathers experts and returns their gradients in every micro-batch "
                      f"({workload.micro_batches}x per iteration); --gather iteration models doing it once")
+    if plan.replicas:
+        notes.append(f"{len(plan.replicas)} hot-expert replicas: exact weights to each replica before its "
+                     "layer's dispatch, gradients back in its backward (replica_weights, replica_grad_return)")
     return SimResult(plan, total, phases, forward, spans, ops, classes, stats, traffic, notes)
 
 
