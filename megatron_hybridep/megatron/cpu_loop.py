@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hybridep.megatron import checkpoint, data
-from megatron_hybridep.megatron.planning import PlanChoice, choose, migration_from_args
+from megatron_hybridep.megatron.planning import PlanChoice, choose
 
 log = logging.getLogger("pretrain_moe")
 
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace, collect_params: bool = False,
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_hybridep.megatron import cpu_runtime, register, setup, teardown
+    from megatron_hybridep.megatron import cpu_runtime, register, teardown
     from megatron_hybridep.megatron.reporting import Reporter
 
     start = time.perf_counter()
@@ -118,19 +118,10 @@ def run(args: argparse.Namespace, collect_params: bool = False,
     model_parallel_cuda_manual_seed(args.seed)
     runtime = scheduler = None
     if choice is not None and choice.dispatcher == "hybridep":
-        plans = [choice.plan]
-        if args.hybridep_replan_interval and choice.result is not None:
-            # every HybridEP candidate of the EP group, so the scheduler can switch at run time
-            plans = [c.plan for c in choice.result.candidates if c.plan.kind == "domains"]
-        runtime = setup(plans, num_experts=args.num_experts, migration=migration_from_args(args),
-                        active=plans.index(choice.plan))
-        if args.hybridep_replan_interval:
-            from megatron_hybridep.megatron.planning import workload_for
-            from megatron_hybridep.runtime.scheduler import PlanScheduler, SchedulerConfig
+        from megatron_hybridep.megatron.planning import build_runtime
 
-            scheduler = PlanScheduler(runtime, choice.topology, workload_for(args),
-                                      SchedulerConfig(interval=args.hybridep_replan_interval,
-                                                      horizon=args.hybridep_replan_horizon))
+        runtime = build_runtime(args, choice)
+        scheduler = runtime.scheduler
     model, optimizer, lr_scheduler, _ = build_model(args)
     iteration = checkpoint.load(args, model, optimizer, lr_scheduler) if args.load else 0
     batches = data.train_batches(args, start_iteration=iteration)
@@ -167,6 +158,8 @@ def run(args: argparse.Namespace, collect_params: bool = False,
             checkpoint.save(args, iteration, model, optimizer, lr_scheduler)
         if args.exit_interval and iteration % args.exit_interval == 0:  # Megatron's --exit-interval
             break
+    if scheduler is not None:
+        scheduler.close()
     if args.save and not saved:
         checkpoint.save(args, iteration, model, optimizer, lr_scheduler)
     summary = reporter.finish(time.perf_counter() - start)

@@ -83,8 +83,9 @@ def _datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | No
 
 def _after_each_step() -> None:
     """Megatron's loop has no post-step callback: wrap its train_step (looked up by name in train())
-    so the runtime learns the step (shared-expert rule, encode/prefetch of layer 0) once per
-    iteration, after every optimizer of a chained optimizer has stepped. Checked against 0.19.2."""
+    so the runtime learns the step (shared-expert rule, encode/prefetch of layer 0) and its scheduler
+    decides once per iteration, after every optimizer of a chained optimizer has stepped. Checked
+    against 0.19.2."""
     from megatron.training import training
 
     from megatron_hybridep.runtime.context import get_runtime
@@ -97,6 +98,11 @@ def _after_each_step() -> None:
         out = inner(*args, **kwargs)
         runtime = get_runtime()
         if runtime is not None:
+            if runtime.scheduler is not None:  # decide before the next iteration's first gather starts
+                decision = runtime.scheduler.step(runtime.step + 1)
+                if decision is not None and decision.switched:
+                    print(f"hybridep: plan switch -> {runtime.plan.label}: {decision.replan.reason}", flush=True)
+            runtime.stats.reset()  # per-iteration statistics (the CPU loop's log does this)
             runtime.after_optimizer_step()
         return out
 

@@ -86,15 +86,34 @@ def setup_from_args(args: argparse.Namespace, world_size: int, ep_group: Any = N
     """Choose the plan and build its runtime (after model-parallel init, before the model).
     Raises when the plan is Megatron's replicated one: that needs a different EP size, which
     must be set before model-parallel initialisation."""
-    from megatron_hybridep.megatron.register import setup
 
     choice = choose(args, world_size)
     if choice.dispatcher != "hybridep":
         raise PlanError(f"hybridep: the plan is '{choice.plan.label}', Megatron's EP inside each DC; fix: rerun "
                         f"with --moe-token-dispatcher-type alltoall --expert-model-parallel-size "
                         f"{choice.megatron_ep_size}, or pick another plan with --hybridep-plan")
-    setup([choice.plan], ep_group=ep_group, num_experts=args.num_experts, migration=migration_from_args(args))
+    build_runtime(args, choice, ep_group)
     return choice
+
+
+def build_runtime(args: argparse.Namespace, choice: PlanChoice, ep_group: Any = None) -> Any:
+    """The runtime of a hybridep job (both loops). With --hybridep-replan-interval it holds every
+    HybridEP candidate of the EP group (groups prebuilt, so a switch starts no group creation) and owns
+    the scheduler (``runtime.scheduler``), which the loop steps after each optimizer step."""
+    from megatron_hybridep.megatron.register import setup
+
+    plans = [choice.plan]
+    if args.hybridep_replan_interval and choice.result is not None:
+        plans = [c.plan for c in choice.result.candidates if c.plan.kind == "domains"]
+    runtime = setup(plans, ep_group=ep_group, num_experts=args.num_experts, migration=migration_from_args(args),
+                    active=plans.index(choice.plan))
+    if args.hybridep_replan_interval:
+        from megatron_hybridep.runtime.scheduler import PlanScheduler, SchedulerConfig
+
+        runtime.scheduler = PlanScheduler(runtime, choice.topology, workload_for(args),
+                                          SchedulerConfig(interval=args.hybridep_replan_interval,
+                                                          horizon=args.hybridep_replan_horizon))
+    return runtime
 
 
 def _runnable(result: PlanningResult, ep: int) -> PlanningResult:

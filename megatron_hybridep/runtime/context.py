@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -44,6 +44,7 @@ class HybridEPRuntime:
         self.prefetch = prefetch
         self.stats = Stats()
         self.layers: list[GatheringLayer] = []
+        self.scheduler: Any = None  # runtime.scheduler.PlanScheduler when the job re-plans (set by its builder)
 
     @property
     def plan(self) -> Plan:

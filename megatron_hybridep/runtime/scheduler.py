@@ -1,11 +1,14 @@
 """The expert-placement scheduler: keeps the plan right while training.
 
 Every ``interval`` iterations it turns the runtime's measurements into cost-model inputs —
-per-expert routing counts (from the router) and the effective bandwidth per link level — and asks
+per-expert routing counts (from the router), the effective bandwidth per link level, and the compute
+per iteration (wall time minus timed collectives, which sets the cost model's compute speed) — and asks
 ``plan.planner.replan`` whether another prebuilt plan beats the current one by more than the switch
 cost over the horizon. It switches only after ``patience`` consecutive checks agree and only for a
 gain of at least ``min_gain`` of the current step (hysteresis, so it cannot flap), at an iteration
-boundary, identically on every rank (one all-reduce first; the decision is a pure function of it).
+boundary, identically on every rank (one all-reduce; the decision is a pure function of it). The
+all-reduce runs in the background during the next iteration (``overlap``): a decision at iteration i
+uses iteration i-1's numbers, so the scheduler never waits for the slowest rank or the WAN.
 
 Bandwidth of a level = bytes / seconds of the blocking collectives (token all-to-alls, gradient
 returns) whose coarsest link is that level: a call that crosses the WAN is timed as WAN traffic, its
@@ -22,13 +25,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_hybridep.plan.planner import Replan, replan
+from megatron_hybridep.plan.cost import CostModel
+from megatron_hybridep.plan.plan import Plan
+from megatron_hybridep.plan.planner import Replan, evaluate_plan, replan
 from megatron_hybridep.plan.topology import Level, Topology
 from megatron_hybridep.plan.workload import Workload
 from megatron_hybridep.runtime.context import HybridEPRuntime
@@ -47,12 +53,14 @@ class SchedulerConfig:
     smoothing: float = 0.5    # weight of the newest routing measurement in its moving average
     window: int = 3           # bandwidth estimate = median of a level's last `window` samples; no switch
                               # before every measured level has `window` samples
-    min_gain: float = 0.10    # switch only when the best plan is predicted this fraction faster per step
+    min_gain: float = 0.05    # switch only when the best plan is predicted this fraction faster per step
+                              # (of a measured-compute step: 10% missed a measured 13-15% gain on the testbed)
     warmup: int = 3           # first iterations not measured (allocation, first gathers: 1.5-2x slower)
     recost_tolerance: float = 0.10  # re-run the cost model only when an input moved by more than this
     min_bytes: float = 64e3   # below this many bytes per interval a level's bandwidth is not re-estimated
     min_call_s: float = 0.04  # calls faster than this are overhead-bound (gloo on a busy CPU: 10-30 ms per
                               # call): such a sample says "as fast as configured", not a rate
+    overlap: bool = True      # all-reduce the statistics in the background; decide one iteration later
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,7 @@ class Measurement:
     level_bytes: dict[str, float]       # bytes of blocking collectives timed at each level (summed over ranks)
     level_seconds: dict[str, float]     # their time (min over ranks: transfer without waiting for peers)
     level_calls: dict[str, float] | None = None  # how many calls that was (None: one)
+    compute_s: float = 0.0              # the iteration minus its timed collectives, slowest rank (0: unknown)
 
 
 def blocking_by_level(stats: Stats, levels: tuple[str, ...]) -> tuple[list[float], list[float], list[float]]:
@@ -91,6 +100,7 @@ class Decision:
     replan: Replan
     switched: bool
     bandwidth_gbps: dict[str, float]
+    compute_s: float | None = None      # measured compute per iteration the decision used
 
 
 @dataclass
@@ -105,33 +115,54 @@ class PlanScheduler:
     _streak: tuple[int, int] = (-1, 0)  # (candidate plan index, consecutive agreeing checks)
     _samples: dict[str, list[float]] = field(default_factory=dict)  # per level, the last `window` rates
     _cache: tuple | None = None         # (inputs, Replan) of the last cost-model run
+    _pending: tuple | None = None       # the statistics all-reduce in flight (overlap)
+    compute_s: float | None = None      # measured compute per iteration (median of the window); None: not yet
+    _compute: list[float] = field(default_factory=list)
+    _tick: float | None = None          # perf_counter at the previous step(): an iteration's wall time
 
     def __post_init__(self) -> None:
         # per-rank rate of each level as configured: what an overhead-bound sample stands for
         self._configured = {lv.name: lv.bandwidth_gbps for lv in self.topology.levels if isinstance(lv, Level)}
 
     # ---- measurement ---------------------------------------------------------------------------
-    def measure(self) -> Measurement:
-        """One MIN all-reduce of this interval's statistics so every rank decides on the same numbers:
-        per-rank rows (routing, bytes) are +inf on the other ranks, so MIN gathers them; the seconds
-        are a true minimum over ranks."""
+    def measure(self, iteration_s: float = 0.0) -> Measurement:
+        """This interval's statistics, all-reduced (blocking)."""
+        return self._finish(self._launch(iteration_s))
+
+    def _launch(self, iteration_s: float = 0.0) -> tuple:
+        """Start one MIN all-reduce of this interval's statistics so every rank decides on the same
+        numbers: per-rank rows (routing, bytes) are +inf on the other ranks, so MIN gathers them; the
+        seconds are a true minimum over ranks. The tensor is built now: the stats may be reset after."""
         stats, plan = self.runtime.stats, self.runtime.plan
         g, e = plan.ep_size, plan.num_experts
         levels = tuple(self.topology.level_names)
         me = self.runtime.active_groups.ep_rank
-        rows = np.full((g, e + len(levels)), np.inf)
+        rows = np.full((g, e + len(levels) + 1), np.inf)
         rows[me, :e] = (sum(stats.tokens_per_expert.values()) / len(stats.tokens_per_expert)
                         if stats.tokens_per_expert else 0.0)
         nbytes, secs, ncalls = blocking_by_level(stats, levels)
-        rows[me, e:] = nbytes
+        rows[me, e:-1] = nbytes
+        # compute = the iteration's wall time minus what this rank spent in timed collectives: calibrates
+        # the cost model's compute (everything it does not model, every plan pays alike, lands here too)
+        comm = sum(r.seconds for (_, _, _, level), r in stats.records.items() if level == "all")
+        rows[me, -1] = max(0.0, iteration_s - comm) if iteration_s > 0 else 0.0
         t = torch.from_numpy(np.concatenate([rows.ravel(), secs, ncalls]))
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.runtime.ep_group)
-        flat = t.numpy()  # the caller (training log) resets the stats once per iteration
-        n, nl = g * (e + len(levels)), len(levels)
-        rows = flat[:n].reshape(g, e + nl)
-        return Measurement(rows[:, :e].copy(), dict(zip(levels, rows[:, e:].sum(axis=0).tolist(), strict=True)),
+        if dist.get_backend(self.runtime.ep_group) == "nccl":  # NCCL reduces device tensors only
+            t = t.cuda()
+        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.runtime.ep_group, async_op=True)
+        return work, t, g, e, levels
+
+    @staticmethod
+    def _finish(pending: tuple) -> Measurement:
+        work, t, g, e, levels = pending
+        work.wait()
+        flat = t.cpu().numpy()
+        nl = len(levels)
+        n = g * (e + nl + 1)
+        rows = flat[:n].reshape(g, e + nl + 1)
+        return Measurement(rows[:, :e].copy(), dict(zip(levels, rows[:, e:-1].sum(axis=0).tolist(), strict=True)),
                            dict(zip(levels, flat[n:n + nl].tolist(), strict=True)),
-                           dict(zip(levels, flat[n + nl:].tolist(), strict=True)))
+                           dict(zip(levels, flat[n + nl:].tolist(), strict=True)), float(rows[:, -1].max()))
 
     # ---- decision (pure: same inputs, same answer on every rank) -----------------------------
     def update_estimates(self, m: Measurement) -> None:
@@ -149,6 +180,10 @@ class PlanScheduler:
                 samples.append(self._configured[name] if fast else per_rank * 8 / secs / 1e9)
                 del samples[:-self.config.window]
                 self.bandwidth_gbps[name] = float(np.median(samples))
+        if m.compute_s > 0:
+            self._compute.append(m.compute_s)
+            del self._compute[:-self.config.window]
+            self.compute_s = float(np.median(self._compute))
 
     def measured_topology(self) -> Topology:
         levels = tuple(dataclasses.replace(lv, bandwidth_gbps=self.bandwidth_gbps.get(lv.name, lv.bandwidth_gbps),
@@ -160,13 +195,18 @@ class PlanScheduler:
         """replan() on the current estimates, or its last answer while no input (bandwidth per level,
         routing per expert) moved by more than recost_tolerance and the plan is the same: the cost
         model is most of the scheduler's time, and steady estimates give the same answer."""
-        inputs = (self.runtime.active, dict(self.bandwidth_gbps),
-                  None if self.routing is None else self.routing.copy())
+        bw = dict(self.bandwidth_gbps)
+        if self.compute_s:
+            bw["compute"] = self.compute_s  # an input like the others (same tolerance)
+        inputs = (self.runtime.active, bw, None if self.routing is None else self.routing.copy())
         if self._cache is not None and _close(self._cache[0], inputs, self.config.recost_tolerance):
             return self._cache[1]
         workload = self.workload if self.routing is None else self.workload.replace(
             routing_counts=np.rint(self.routing).astype(np.int64))
-        r = replan(self.measured_topology(), workload, self.runtime.plan, horizon_iterations=self.config.horizon,
+        topology = self.measured_topology()
+        if self.compute_s:
+            workload = calibrated(topology, workload, self.runtime.plan, self.compute_s)
+        r = replan(topology, workload, self.runtime.plan, horizon_iterations=self.config.horizon,
                    candidates=self.runtime.plans)
         self._cache = (inputs, r)
         return r
@@ -186,24 +226,53 @@ class PlanScheduler:
             if streak >= self.config.patience and ready:
                 say = log.warning if not dist.is_initialized() or dist.get_rank() == 0 else log.debug
                 say("hybridep scheduler, iteration %d: switching %s -> %s (%s; predicted %.4g s -> %.4g s "
-                            "per iteration; measured bandwidth %s)", iteration, self.runtime.plan.label,
-                            r.plan.label, r.reason, r.current_seconds, r.best_seconds,
-                            {k: round(v, 3) for k, v in self.bandwidth_gbps.items()})
+                    "per iteration; measured bandwidth %s Gbit/s per rank, compute %s s per iteration)",
+                    iteration, self.runtime.plan.label, r.plan.label, r.reason, r.current_seconds, r.best_seconds,
+                    {k: round(v, 3) for k, v in self.bandwidth_gbps.items()},
+                    "n/a" if self.compute_s is None else f"{self.compute_s:.4g}")
                 self.runtime.switch(index)
                 self._streak = (-1, 0)
                 switched = True
         else:
             self._streak = (-1, 0)
-        d = Decision(iteration, r, switched, dict(self.bandwidth_gbps))
+        d = Decision(iteration, r, switched, dict(self.bandwidth_gbps), self.compute_s)
         self.history.append(d)
         return d
 
     def step(self, iteration: int) -> Decision | None:
         """Call after every optimizer step (all ranks)."""
+        now = time.perf_counter()
+        iteration_s, self._tick = (now - self._tick if self._tick is not None else 0.0), now
         if iteration <= self.config.warmup or iteration % self.config.interval:
             return None
-        self.update_estimates(self.measure())
+        if not self.config.overlap:
+            self.update_estimates(self.measure(iteration_s))
+            return self.decide(iteration)
+        # The all-reduce of this interval runs during the next iteration; decide on the previous one's
+        # (done by now): no wait for the slowest rank and no latency chain across the WAN per decision.
+        previous, self._pending = self._pending, self._launch(iteration_s)
+        if previous is None:
+            return None
+        self.update_estimates(self._finish(previous))
         return self.decide(iteration)
+
+    def close(self) -> None:
+        """Wait for the all-reduce in flight (call before the process group goes away)."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
+
+def calibrated(topology: Topology, workload: Workload, plan: Plan, compute_s: float) -> Workload:
+    """The workload with its compute speed set so that the cost model's compute of ``plan`` (the
+    running one: pre-expert and expert compute, forward and backward) equals the measured compute."""
+    c = evaluate_plan(CostModel(topology, workload), plan)
+    predicted = c.phases["pre_compute"] + c.phases["expert_compute"]
+    if predicted <= 0 or compute_s <= 0:
+        return workload
+    k = predicted / compute_s  # < 1: the ranks are slower than the workload says
+    t_pre = None if workload.t_pre_ms is None else workload.t_pre_ms / k
+    return workload.replace(throughput_tflops=workload.throughput_tflops * k, t_pre_ms=t_pre)
 
 
 def _close(a: tuple, b: tuple, tol: float) -> bool:

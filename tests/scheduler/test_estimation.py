@@ -3,6 +3,8 @@ calls are timed at their coarsest link, one MIN all-reduce gathers everything, a
 is adopted after window // 2 + 1 samples and switches after `patience` more checks, one outlier
 never switches, a predicted gain below `min_gain` never switches, and stable noise never does."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -95,7 +97,8 @@ def test_calls_are_timed_at_their_coarsest_link():
     assert calls == [2, 1]
 
 
-def _measure_on_ranks(ctx):
+def _scheduler_on_ranks(ctx, **cfg):
+    """A PlanScheduler over the real process group (2 ranks, one 'dc' level, 4 experts)."""
     import torch.distributed as dist
 
     class Groups:
@@ -106,19 +109,74 @@ def _measure_on_ranks(ctx):
         active_groups = Groups()
 
     rt = Runtime([Plan.grid((2,), (1,), 4, ("dc",))], 0)
+    topo = Topology((Level("dc", 2, 1.0, 0.0),))
+    work = Workload(hidden_size=8, ffn_hidden_size=8, num_experts=4, top_k=1, num_moe_layers=1)
+    return rt, PlanScheduler(rt, topo, work, SchedulerConfig(**cfg))
+
+
+def _measure_on_ranks(ctx):
+    rt, s = _scheduler_on_ranks(ctx)
     rt.stats.add_routing(0, np.array([1.0, 2.0, 3.0, 4.0]) * (ctx.rank + 1))
     rt.stats.add(0, "token_dispatch", "rail", 0, 0.1 * (ctx.rank + 1))  # rank 1 waited 0.1 s longer
     rt.stats.add(0, "token_dispatch", "rail", 1000 * (ctx.rank + 1), 0.0, level="dc")
-    topo = Topology((Level("dc", 2, 1.0, 0.0),))
-    work = Workload(hidden_size=8, ffn_hidden_size=8, num_experts=4, top_k=1, num_moe_layers=1)
-    m = PlanScheduler(rt, topo, work).measure()
-    return m.routing.tolist(), m.level_bytes, m.level_seconds, m.level_calls
+    m = s.measure(iteration_s=1.0)
+    return m.routing.tolist(), m.level_bytes, m.level_seconds, m.level_calls, m.compute_s
 
 
 def test_one_min_all_reduce_gathers_rows_sums_bytes_and_takes_the_fastest_time():
-    for routing, nbytes, secs, calls in run_ranks(_measure_on_ranks, 2, timeout=120):
+    for routing, nbytes, secs, calls, compute in run_ranks(_measure_on_ranks, 2, timeout=120):
         assert routing == [[1, 2, 3, 4], [2, 4, 6, 8]]
         assert nbytes == {"dc": 3000.0} and secs == pytest.approx({"dc": 0.1}) and calls == {"dc": 1.0}
+        assert compute == pytest.approx(0.9)  # 1 s iterations minus 0.1 / 0.2 s in collectives: the slowest rank
+
+
+def test_measured_compute_calibrates_the_cost_model_to_the_measured_step():
+    from megatron_hybridep.plan.cost import CostModel
+    from megatron_hybridep.plan.hot import evaluate
+    from megatron_hybridep.runtime.scheduler import calibrated
+
+    nominal = evaluate(CostModel(TOPO, WORK), ALL4)
+    compute = nominal.phases["pre_compute"] + nominal.phases["expert_compute"]
+    slow = calibrated(TOPO, WORK, ALL4, 3 * compute)  # the ranks are 3x slower than the workload says
+    c = evaluate(CostModel(TOPO, slow), ALL4)
+    assert c.phases["pre_compute"] + c.phases["expert_compute"] == pytest.approx(3 * compute)
+    assert slow.throughput_tflops == pytest.approx(WORK.throughput_tflops / 3)
+    with_t_pre = calibrated(TOPO, WORK.replace(t_pre_ms=2.0), ALL4, 3 * compute)
+    assert with_t_pre.t_pre_ms == pytest.approx(2.0 * 3 * compute / (
+        lambda c: c.phases["pre_compute"] + c.phases["expert_compute"])(
+            evaluate(CostModel(TOPO, WORK.replace(t_pre_ms=2.0)), ALL4)))
+
+    # the scheduler predicts the running plan's step as measured compute + modelled communication
+    _, s = _scheduler(window=1)
+    s.update_estimates(dataclasses.replace(_m(SLOW), compute_s=0.3))
+    d = s.decide(0)
+    work = calibrated(s.measured_topology(), WORK.replace(routing_counts=np.rint(s.routing).astype(np.int64)), ALL4,
+                      0.3)
+    c = evaluate(CostModel(s.measured_topology(), work), ALL4)
+    assert c.phases["pre_compute"] + c.phases["expert_compute"] == pytest.approx(0.3)
+    assert d.compute_s == 0.3 and d.replan.current_seconds == pytest.approx(c.total, rel=1e-9)
+    assert d.replan.current_seconds > 0.3  # plus the WAN time at the measured rate
+
+
+def _overlapped_steps_on_ranks(ctx):
+    rt, s = _scheduler_on_ranks(ctx, interval=1, warmup=0, min_bytes=0)
+    seen, update = [], s.update_estimates
+    s.update_estimates = lambda m: seen.append(m.level_bytes["dc"]) or update(m)
+    out = []
+    for it in (1, 2, 3):
+        rt.stats = Stats()
+        rt.stats.add(0, "token_dispatch", "rail", 0, 0.1)
+        rt.stats.add(0, "token_dispatch", "rail", 1000 * it, 0.0, level="dc")
+        out.append(s.step(it) is not None)
+    s.close()
+    assert s._pending is None
+    return out, seen
+
+
+def test_overlapped_statistics_decide_one_iteration_later_on_the_previous_numbers():
+    for decided, seen in run_ranks(_overlapped_steps_on_ranks, 2, timeout=120):
+        assert decided == [False, True, True]  # the first all-reduce is still in flight at iteration 1
+        assert seen == [2000.0, 4000.0]  # iterations 1 and 2, summed over the 2 ranks
 
 
 def test_overhead_bound_calls_count_as_the_configured_rate():

@@ -12,7 +12,13 @@ def test_megatron_train_step_is_wrapped_once_and_calls_the_runtime(monkeypatch):
 
     calls = []
 
+    class Stats:
+        def reset(self) -> None:
+            calls.append("reset")
+
     class Runtime:
+        scheduler, step, stats = None, 0, Stats()
+
         def after_optimizer_step(self) -> None:
             calls.append("runtime")
 
@@ -25,10 +31,10 @@ def test_megatron_train_step_is_wrapped_once_and_calls_the_runtime(monkeypatch):
     gpu_pretrain._after_each_step()
     gpu_pretrain._after_each_step()  # idempotent: a second pretrain() in-process must not double-step
     assert training.train_step(1, k=2) == ("loss", (1,), {"k": 2})
-    assert calls == ["megatron", "runtime"]
+    assert calls == ["megatron", "reset", "runtime"]
     monkeypatch.setattr(context, "_RUNTIME", None)
     training.train_step()
-    assert calls == ["megatron", "runtime", "megatron"]
+    assert calls == ["megatron", "reset", "runtime", "megatron"]
 
 
 def test_megatron_own_reparse_accepts_the_hybridep_dispatcher(monkeypatch):
@@ -44,3 +50,36 @@ def test_megatron_own_reparse_accepts_the_hybridep_dispatcher(monkeypatch):
     gpu_pretrain._hybridep_in_every_parser()
     gpu_pretrain._hybridep_in_every_parser()
     assert arguments.parse_args(ignore_unknown_args=True).moe_token_dispatcher_type == "hybridep"
+
+
+def test_the_wrapped_step_runs_the_scheduler_before_the_runtime_learns_the_step(monkeypatch):
+    """--hybridep-replan-interval on GPU: the runtime's scheduler decides after every optimizer step,
+    before the next iteration's first gather is started by after_optimizer_step."""
+    training = pytest.importorskip("megatron.training.training")
+    from megatron_hybridep.megatron import gpu_pretrain
+    from megatron_hybridep.runtime import context
+
+    calls = []
+
+    class Scheduler:
+        def step(self, iteration):
+            calls.append(("scheduler", iteration))
+            return None
+
+    class Stats:
+        def reset(self) -> None:
+            calls.append("reset")
+
+    class Runtime:
+        scheduler, step, stats = Scheduler(), 0, Stats()
+
+        def after_optimizer_step(self) -> None:
+            self.step += 1
+            calls.append("runtime")
+
+    monkeypatch.setattr(training, "train_step", lambda *a, **k: calls.append("megatron"))
+    monkeypatch.setattr(context, "_RUNTIME", Runtime())
+    gpu_pretrain._after_each_step()
+    training.train_step()
+    training.train_step()
+    assert calls == ["megatron", ("scheduler", 1), "reset", "runtime", "megatron", ("scheduler", 2), "reset", "runtime"]
