@@ -46,21 +46,26 @@ PRESET = REPO / "configs" / "presets" / "cpu_demo.yaml"
 class DemoConfig:
     iters: int = 60
     change_at: int = 30
-    rate_high: float = 1000.0  # Mbit/s per DC uplink
+    rate_high: float = 200.0  # Mbit/s per DC uplink
     rate_low: float = 20.0
     micro_batch: int = 16
     seq: int = 128
     interval: int = 1
-    # What the planner is told intra-DC token all-to-alls get: gloo between 2 of 4 ranks that share 2
-    # cores reaches ~0.4-2 Gbit/s per rank in training (the scheduler's own estimate on this testbed),
-    # not the ~30 Gbit/s of bare TCP over lo. The scheduler re-measures it whenever a plan has
-    # intra-DC-only token traffic.
-    intra_mbit: float = 1000.0
+    # Each DC's fabric (lo, shared by its 2 ranks), scaled down like the WAN: unshaped, lo runs at
+    # ~30 Gbit/s, where no plan's intra-DC token traffic costs anything measurable and the plan that
+    # avoids it (A) cannot win at any WAN rate.
+    fabric: float = 400.0  # Mbit/s; 0 = unshaped
+    # What the planner is told intra-DC token all-to-alls get per rank; default: the fabric shared by the
+    # DC's 2 ranks (lo's 64 KB packets: goodput ~= rate; unshaped: 1000, what gloo between 2 of 4 ranks on
+    # 2 cores reaches).
+    # The scheduler re-measures it whenever a plan has intra-DC-only token traffic.
+    intra_mbit: float = 0.0
     repeats: int = 1
     runs: list[str] = field(default_factory=lambda: list(RUNS))
     plan_a: str | None = None  # plan labels; default: the planner's choice at each rate
     plan_b: str | None = None
     fixed_measure: bool = False  # fixed runs measure too (scheduler on, one plan: it cannot switch)
+    pin: bool = True  # pin rank r to core r % cores (gloo's threads follow): launches agree within ~2%, not ~30%
     burst_ms: float = 1.0  # HTB bucket at the rate: small collectives must not pass unshaped on its credit
     timeout: float = 600.0
     out: str = "docs/results"
@@ -69,8 +74,13 @@ class DemoConfig:
     def command(self) -> str:
         d, parts = DemoConfig(), []
         for k, v in asdict(self).items():
-            if v != getattr(d, k):
-                parts.append(f"--{k.replace('_', '-')} {shlex.quote(','.join(v) if isinstance(v, list) else str(v))}")
+            if v == getattr(d, k):
+                continue
+            flag = f"--{k.replace('_', '-')}"
+            if isinstance(v, bool):
+                parts.append(flag if v else f"--no-{flag[2:]}")
+            else:
+                parts.append(f"{flag} {shlex.quote(','.join(v) if isinstance(v, list) else str(v))}")
         return " ".join(["python benchmarks/replan_demo.py", *parts])
 
 
@@ -88,7 +98,8 @@ def testbed_topology(cfg: DemoConfig, mbit: float) -> Any:
     from megatron_hybridep.testbed.bench_predict import testbed_topology as topo
     from megatron_hybridep.testbed.selfcheck import TCP_GOODPUT_FRACTION
 
-    return topo(2, 2, mbit * TCP_GOODPUT_FRACTION, cfg.intra_mbit)
+    intra = cfg.intra_mbit or (cfg.fabric / 2 if cfg.fabric else 1000.0)
+    return topo(2, 2, mbit * TCP_GOODPUT_FRACTION, intra)
 
 
 def planned(cfg: DemoConfig, mbit: float) -> Any:
@@ -122,6 +133,9 @@ def worker(spec_path: str) -> int:
     from megatron_hybridep.testbed.bench_control import CONTROL_ENV, ControlClient
 
     spec = json.loads(Path(spec_path).read_text())
+    if spec.get("pin"):  # one core per rank pair, fixed: the OS otherwise places 4 ranks on 2 cores anew per launch
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(os.environ["RANK"]) % len(cores)]})
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -137,7 +151,7 @@ def worker(spec_path: str) -> int:
         if decision is not None:
             r = decision.replan
             row.update(predicted_current_s=r.current_seconds, predicted_best_s=r.best_seconds, best=r.plan.label,
-                       **{f"bw_{k}_gbps": v for k, v in decision.bandwidth_gbps.items()})
+                       compute_s=decision.compute_s, **{f"bw_{k}_gbps": v for k, v in decision.bandwidth_gbps.items()})
         rows.append(row)
         if client is not None and iteration == spec["change_at"]:
             client.request({"op": "change", "iteration": iteration})  # returns once the rate has changed
@@ -183,7 +197,7 @@ def run_once(tb: Any, cfg: DemoConfig, kind: str, plans: dict[str, Any], tmp: st
             argv += ["--hybridep-replan-interval", str(cfg.interval)]
     result = os.path.join(tmp, f"{kind}.result.json")
     spec = os.path.join(tmp, f"{kind}.spec.json")
-    Path(spec).write_text(json.dumps({"argv": argv, "change_at": cfg.change_at, "result": result}))
+    Path(spec).write_text(json.dumps({"argv": argv, "change_at": cfg.change_at, "result": result, "pin": cfg.pin}))
     set_rate(tb, cfg.rate_high)
     changed: dict[str, float] = {}
 
@@ -229,7 +243,7 @@ def write_outputs(cfg: DemoConfig, results: list[tuple[str, int, dict[str, Any]]
     out.mkdir(parents=True, exist_ok=True)
     csv_path = out / f"{cfg.name}.csv"
     keys = ["run", "repeat", "iteration", "step_s", "plan", "switched", "best", "predicted_current_s",
-            "predicted_best_s", "bw_dc_gbps", "bw_gpu_gbps"]
+            "predicted_best_s", "compute_s", "bw_dc_gbps", "bw_gpu_gbps"]
     with open(csv_path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
@@ -295,7 +309,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[DemoConfig, str | None]:
         if k == "runs":
             p.add_argument("--runs", default=",".join(v), help=f"comma list of {','.join(RUNS)}")
         elif isinstance(v, bool):
-            p.add_argument(f"--{k.replace('_', '-')}", action="store_true")
+            p.add_argument(f"--{k.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=v)
         else:
             p.add_argument(f"--{k.replace('_', '-')}", type=type(v) if v is not None else str, default=v)
     p.add_argument("--smoke", action="store_true", help="10 iterations, change after 5, adaptive + stable")
@@ -331,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     results, summaries = [], []
     with tempfile.TemporaryDirectory(prefix="replan-demo-") as tmp, \
             Testbed(TestbedConfig(dcs=2, ranks_per_dc=2, rate_mbit=cfg.rate_high,
-                                  burst_ms=cfg.burst_ms or None)) as tb:
+                                  burst_ms=cfg.burst_ms or None, fabric_mbit=cfg.fabric or None)) as tb:
         for repeat in range(cfg.repeats):
             for kind in cfg.runs:
                 res = run_once(tb, cfg, kind, plans, tmp, Path(tmp) / "logs" / f"{kind}{repeat}")

@@ -39,7 +39,9 @@ def test_replan_demo_smoke_switches_after_the_rate_drop_only(root_host, tmp_path
     assert adaptive["changed_at"] == stable["changed_at"] == change  # the controller answered at that iteration
     assert adaptive["first_plan"] == result["plans"]["a"] and adaptive["switches"], stdout[-3000:]
     first_switch = adaptive["switches"][0][0]
-    assert change < first_switch <= change + 4, adaptive["switches"]  # after the drop, within a few checks
+    # after the drop, within a few checks: the first slow iteration's numbers arrive one iteration later
+    # (overlapped all-reduce), the median of 3 needs 2 slow samples, and patience 2 a second agreeing check
+    assert change < first_switch <= change + 5, adaptive["switches"]
     assert adaptive["last_plan"] == result["plans"]["b"], adaptive
     assert stable["switches"] == [] and stable["last_plan"] == result["plans"]["a"], stable
     assert (tmp_path / "replan_demo_smoke.csv").stat().st_size > 0
