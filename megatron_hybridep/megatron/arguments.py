@@ -19,6 +19,24 @@ class PresetError(ValueError):
     """A --config preset that cannot be applied; names the key and the fix."""
 
 
+def _count(text: str) -> int:
+    """argparse type: an integer >= 0 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; fix: an integer >= 0 (0 = off)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; fix: an integer >= 0 (0 = off)")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _count(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be >= 1; fix: the number of iterations a switch must pay back in")
+    return value
+
+
 def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron extra-args provider: the plugin's flags, and 'hybridep' as a dispatcher choice."""
     _allow_hybridep_dispatcher(parser)
@@ -46,11 +64,14 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "'shared' (the shared expert every time, the paper's scheme)")
     g.add_argument("--hybridep-throughput-tflops", type=float, default=None,
                    help="achieved TFLOP/s per rank for the cost model (default: 0.05 on CPU, 300 on GPU)")
-    g.add_argument("--hybridep-replan-interval", type=int, default=0,
+    g.add_argument("--hybridep-replan-interval", type=_count, default=0,
                    help="iterations between re-planning decisions from measured routing and bandwidth; the "
                         "job prebuilds groups for every HybridEP candidate plan (0 = plan once at start-up)")
-    g.add_argument("--hybridep-replan-horizon", type=int, default=100,
+    g.add_argument("--hybridep-replan-horizon", type=_positive, default=100,
                    help="iterations over which a switch must pay back its cost")
+    g.add_argument("--hybridep-replan-replicas", type=_count, default=0,
+                   help="hot-expert replicas per rank the scheduler may add to a prebuilt plan when measured "
+                        "routing makes them pay (exact copies, no new groups; 0 = off)")
     g.add_argument("--hybridep-log-plan", action="store_true", help="print every candidate plan at start-up")
     g.add_argument("--hybridep-nproc", type=int, default=4,
                    help="ranks to launch on this machine when not started by torchrun/srun (CPU, gloo)")

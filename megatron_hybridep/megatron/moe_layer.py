@@ -103,6 +103,7 @@ class HybridEPMoELayer(MoELayer):
         cfg = runtime.migration
         self._shared = (SharedExpert(runtime.ep_group, self.config.num_moe_experts, cfg.shared_refresh_every)
                         if cfg.compresses_weights and cfg.use_shared else None)
+        self._pg_collection = pg_collection
         self._plan_state = [self._build_for_plan(g, pg_collection) for g in runtime.groups]
         self._index = runtime.register_layer(self)
         self._replica_out: torch.Tensor | None = None
@@ -147,6 +148,10 @@ class HybridEPMoELayer(MoELayer):
                                        levels=levels)
         instrument(dispatcher, self._runtime.stats, self._layer_key(), groups.rail_levels)
         return PlanState(dispatcher, gather, replicas)
+
+    def add_plan(self, groups: PlanGroups) -> None:
+        """A plan adopted after construction (runtime.adopt): its groups exist already."""
+        self._plan_state.append(self._build_for_plan(groups, self._pg_collection))
 
     def _layer_key(self) -> int:
         return int(self.layer_number or 0)

@@ -112,7 +112,8 @@ def build_runtime(args: argparse.Namespace, choice: PlanChoice, ep_group: Any = 
 
         runtime.scheduler = PlanScheduler(runtime, choice.topology, workload_for(args),
                                           SchedulerConfig(interval=args.hybridep_replan_interval,
-                                                          horizon=args.hybridep_replan_horizon))
+                                                          horizon=args.hybridep_replan_horizon,
+                                                          replica_budget=args.hybridep_replan_replicas))
     return runtime
 
 

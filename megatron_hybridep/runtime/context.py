@@ -6,12 +6,14 @@ Knows nothing of Megatron: the layers it holds only need ``start_gather(plan_ind
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.runtime.groups import PlanGroups, build_plan_groups, validate_for_job
 from megatron_hybridep.runtime.instrument import Stats
@@ -25,6 +27,7 @@ class GatheringLayer(Protocol):
     def drop_gather(self) -> None: ...
     def on_step(self, step: int) -> None: ...
     def encode_ahead(self) -> None: ...
+    def add_plan(self, groups: PlanGroups) -> None: ...
 
 
 class HybridEPRuntime:
@@ -77,6 +80,24 @@ class HybridEPRuntime:
                 layer.encode_ahead()
         if self.prefetch and self.layers:
             self.layers[0].start_gather()
+
+    def adopt(self, plan: Plan) -> int:
+        """Index of ``plan``, added now if it is a variant of a prebuilt plan with the same domains and
+        rails (a hot-replica variant: its replica exchange runs over the EP group), so no group is
+        created: identical on every rank, no collective. Call on all ranks with the same plan."""
+        if plan in self.plans:
+            return self.plans.index(plan)
+        validate_for_job(plan, dist.get_world_size(self.ep_group), plan.num_experts)
+        base = next((g for g in self.groups if g.plan.domains == plan.domains and g.plan.rails == plan.rails), None)
+        if base is None:
+            raise PlanError(f"hybridep: plan {plan.label} needs process groups this job did not prebuild; fix: "
+                            "run with --hybridep-replan-interval so every candidate plan's groups exist")
+        groups = dataclasses.replace(base, plan=plan)
+        self.plans.append(plan)
+        self.groups.append(groups)
+        for layer in self.layers:
+            layer.add_plan(groups)
+        return len(self.plans) - 1
 
     def switch(self, plan_index: int) -> None:
         """Activate another prebuilt plan at an iteration boundary. Owners keep their parameters,

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from megatron_hybridep.plan.cost import CostModel
 from megatron_hybridep.plan.plan import Plan
-from megatron_hybridep.plan.planner import Replan, evaluate_plan, replan
+from megatron_hybridep.plan.planner import Replan, evaluate_plan, replan, with_hot_plans
 from megatron_hybridep.plan.topology import Level, Topology
 from megatron_hybridep.plan.workload import Workload
 from megatron_hybridep.runtime.context import HybridEPRuntime
@@ -61,6 +61,8 @@ class SchedulerConfig:
     min_call_s: float = 0.04  # calls faster than this are overhead-bound (gloo on a busy CPU: 10-30 ms per
                               # call): such a sample says "as fast as configured", not a rate
     overlap: bool = True      # all-reduce the statistics in the background; decide one iteration later
+    replica_budget: int | None = 0  # hot-expert replicas per rank the scheduler may add to a prebuilt plan
+                                    # (None: the experts a rank owns; 0: off, only prebuilt plans)
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ class PlanScheduler:
     bandwidth_gbps: dict[str, float] = field(default_factory=dict)
     routing: np.ndarray | None = None
     history: list[Decision] = field(default_factory=list)
-    _streak: tuple[int, int] = (-1, 0)  # (candidate plan index, consecutive agreeing checks)
+    _streak: int = 0                    # consecutive checks that want to switch
     _samples: dict[str, list[float]] = field(default_factory=dict)  # per level, the last `window` rates
     _cache: tuple | None = None         # (inputs, Replan) of the last cost-model run
     _pending: tuple | None = None       # the statistics all-reduce in flight (overlap)
@@ -207,9 +209,18 @@ class PlanScheduler:
         if self.compute_s:
             workload = calibrated(topology, workload, self.runtime.plan, self.compute_s)
         r = replan(topology, workload, self.runtime.plan, horizon_iterations=self.config.horizon,
-                   candidates=self.runtime.plans)
+                   candidates=self.candidates(CostModel(topology, workload)))
         self._cache = (inputs, r)
         return r
+
+    def candidates(self, model: CostModel) -> list[Plan]:
+        """The prebuilt plans, plus a hot-replica variant of each plan without replicas once routing
+        is measured and skewed (plan/hot.py): it needs no new group, so it is adopted on a switch."""
+        if self.config.replica_budget == 0:
+            return list(self.runtime.plans)
+        bases = [p for p in self.runtime.plans if not p.replicas]
+        hot = with_hot_plans(model, bases, self.config.replica_budget)[len(bases):]
+        return list(self.runtime.plans) + [p for p in hot if p not in self.runtime.plans]
 
     def decide(self, iteration: int) -> Decision:
         r = self._costed()
@@ -219,22 +230,22 @@ class PlanScheduler:
                 f"{r.plan.label} predicted only {1 - r.best_seconds / r.current_seconds:.1%} faster per step "
                 f"(< min_gain {self.config.min_gain:.0%})"))
         if r.switch:
-            index = self.runtime.plans.index(r.plan)
-            streak = self._streak[1] + 1 if self._streak[0] == index else 1
-            self._streak = (index, streak)
+            # consecutive checks that want to leave the current plan; the latest best is the target (hot
+            # variants of one base differ check to check as routing moves: keying on them never settles)
+            self._streak += 1
             ready = all(len(v) >= self.config.window for v in self._samples.values())
-            if streak >= self.config.patience and ready:
+            if self._streak >= self.config.patience and ready:
                 say = log.warning if not dist.is_initialized() or dist.get_rank() == 0 else log.debug
                 say("hybridep scheduler, iteration %d: switching %s -> %s (%s; predicted %.4g s -> %.4g s "
                     "per iteration; measured bandwidth %s Gbit/s per rank, compute %s s per iteration)",
                     iteration, self.runtime.plan.label, r.plan.label, r.reason, r.current_seconds, r.best_seconds,
                     {k: round(v, 3) for k, v in self.bandwidth_gbps.items()},
                     "n/a" if self.compute_s is None else f"{self.compute_s:.4g}")
-                self.runtime.switch(index)
-                self._streak = (-1, 0)
+                self.runtime.switch(self.runtime.adopt(r.plan))
+                self._streak = 0
                 switched = True
         else:
-            self._streak = (-1, 0)
+            self._streak = 0
         d = Decision(iteration, r, switched, dict(self.bandwidth_gbps), self.compute_s)
         self.history.append(d)
         return d

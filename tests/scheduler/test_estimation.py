@@ -207,3 +207,29 @@ def test_the_cost_model_reruns_only_when_an_input_moves(monkeypatch):
     assert len(runs) == 2  # the first sample and the 20% move; 1% noise reuses the answer
     _run(s, [SLOW] * 3)  # a real change: costed again, and the switch still happens
     assert rt.switches == [1] and len(runs) >= 4
+
+
+def test_skewed_routing_adopts_a_hot_replica_variant_of_a_prebuilt_plan():
+    """Routing drifts onto 2 hot experts of rank 0 (DC 0): the scheduler builds hot variants of the
+    prebuilt plans from the measured counts and switches to one, adopted (its groups exist: no
+    collective); with replica_budget=0 (the default) it has no such candidate."""
+    ep = Plan.grid((2, 2), (1, 1), 8, ("dc", "gpu"))
+    in_dc = Plan.grid((2, 2), (1, 2), 8, ("dc", "gpu"))
+    skewed = np.full((4, 8), 64.0)
+    skewed[:, :2] = 1024.0
+    m = Measurement(skewed, {"dc": 4 * SLOW * 1e9 / 8 * 0.05, "gpu": 0.0}, {"dc": 0.05, "gpu": 0.0})
+    for budget in (2, 0):
+        rt = FakeRuntime([ep, in_dc], 0)
+        s = PlanScheduler(rt, TOPO, WORK, SchedulerConfig(interval=1, min_bytes=0, smoothing=1.0,
+                                                          replica_budget=budget))
+        for it in range(3):
+            s.update_estimates(m)
+            s.decide(it)
+        if budget == 0:
+            assert all(not p.replicas for p in rt.plans) and len(rt.plans) == 2
+            continue
+        assert len(rt.switches) == 1 and rt.plan.replicas, [d.replan.reason for d in s.history]
+        assert rt.plans[:2] == [ep, in_dc] and len(rt.plans) == 3  # adopted, appended
+        assert rt.plan.domains == ep.domains  # a variant of a prebuilt plan: same groups
+        assert {e for e, _ in rt.plan.replicas.pairs} <= {0, 1}  # only the hot experts
+        assert {(e, r) for e in (0, 1) for r in (2, 3)} <= set(rt.plan.replicas.pairs)  # DC 1's tokens cross the WAN

@@ -35,6 +35,11 @@ class FakeRuntime:
         self.switches.append(index)
         self.active = index
 
+    def adopt(self, plan):
+        if plan not in self.plans:
+            self.plans.append(plan)
+        return self.plans.index(plan)
+
 
 def _m(tokens_per_rank, dc_gbps=10.0, gpu_gbps=64.0):
     """A measurement: balanced routing of `tokens_per_rank` (top-2) and blocking collectives that
@@ -105,19 +110,27 @@ def _train(ctx, switch_at, steps):
              Plan.grid((2, 2), (2, 2), 8, ("dc", "gpu"))]
     runtime = setup(plans)
     state = build(args)
-    corpus, losses = MarkovCorpus(), []
+    corpus, losses, used = MarkovCorpus(), [], []
     for step in range(steps):
         if switch_at is not None and step in switch_at:
-            runtime.switch(switch_at[step])  # at an iteration boundary, with a gather in flight
+            to = switch_at[step]  # a prebuilt plan's index, or a hot variant to adopt (no new groups)
+            runtime.switch(runtime.adopt(plans[1].with_replicas(to)) if isinstance(to, list) else to)
+        runtime.stats.reset()
         losses.append(train_step(state, *corpus.batch(4, 64, ctx.rank, step))["loss"])
+        used.append((runtime.plan.label, runtime.stats.bytes_by(phase="replica_weights")))
     teardown()
-    return losses, {n: p.detach().clone() for n, p in state.model.module.named_parameters()}
+    return losses, {n: p.detach().clone() for n, p in state.model.module.named_parameters()}, used
 
 
 def test_switching_plans_mid_run_is_exact():
     fixed = run_ranks(_train, 4, None, 6, timeout=300)
-    switched = run_ranks(_train, 4, {2: 1, 4: 2}, 6, timeout=300)
-    for (la, pa), (lb, pb) in zip(fixed, switched, strict=True):
+    # EP -> pairs across DCs -> the pairs plan + replicas of experts 2 and 7 (adopted mid-run) -> all four
+    switched = run_ranks(_train, 4, {2: 1, 3: [(2, 0), (7, 2)], 4: 2}, 6, timeout=300)
+    labels = [label for label, _ in switched[0][2]]
+    assert labels[3].endswith("+2 hot") and labels[4] != labels[3], labels
+    replica_bytes = [sum(rank[2][step][1] for rank in switched) for step in range(6)]  # sent, all ranks
+    assert replica_bytes[3] > 0 and replica_bytes[3] == sum(replica_bytes), replica_bytes  # the hot plan ran
+    for (la, pa, _), (lb, pb, _) in zip(fixed, switched, strict=True):
         assert np.allclose(la, lb, atol=1e-5, rtol=0), (la, lb)
         for name in pa:
             assert torch.allclose(pa[name], pb[name], atol=1e-5, rtol=0), name

@@ -43,6 +43,22 @@ def test_preset_keys_are_checked_and_command_line_wins(tmp_path):
         parse(["--config", str(tmp_path / "missing.yaml")])
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--hybridep-replan-interval", "-1", "negative; fix"),
+    ("--hybridep-replan-replicas", "two", "not an integer; fix"),
+    ("--hybridep-replan-horizon", "0", "must be >= 1; fix"),
+])
+def test_scheduler_flags_reject_bad_values_naming_the_flag(flag, value, message, capsys):
+    from megatron_hybridep.megatron.arguments import parse
+
+    with pytest.raises(SystemExit):
+        parse([flag, value], default_config=PRESET)
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and message in err, err
+    args = parse(["--hybridep-replan-interval", "5", "--hybridep-replan-replicas", "2"], default_config=PRESET)
+    assert (args.hybridep_replan_interval, args.hybridep_replan_replicas, args.hybridep_replan_horizon) == (5, 2, 100)
+
+
 def _train(ctx, argv):
     from megatron_hybridep.megatron import cpu_loop
     from megatron_hybridep.megatron.arguments import parse
