@@ -102,6 +102,10 @@ def build_runtime(args: argparse.Namespace, choice: PlanChoice, ep_group: Any = 
     the scheduler (``runtime.scheduler``), which the loop steps after each optimizer step."""
     from megatron_hybridep.megatron.register import setup
 
+    if getattr(args, "hybridep_replan_replicas", 0) and getattr(args, "moe_expert_capacity_factor", None) is not None:
+        # checked here, before any collective: a replica plan adopted mid-run would fail in every MoE layer
+        raise PlanError("--hybridep-replan-replicas: hot-expert replicas change which tokens "
+                        "--moe-expert-capacity-factor drops; fix: drop one of the two flags")
     plans = [choice.plan]
     if args.hybridep_replan_interval and choice.result is not None:
         plans = [c.plan for c in choice.result.candidates if c.plan.kind == "domains"]

@@ -59,6 +59,17 @@ def test_scheduler_flags_reject_bad_values_naming_the_flag(flag, value, message,
     assert (args.hybridep_replan_interval, args.hybridep_replan_replicas, args.hybridep_replan_horizon) == (5, 2, 100)
 
 
+def test_scheduler_replicas_with_a_capacity_factor_fail_before_any_collective():
+    import argparse
+
+    from megatron_hybridep.megatron.planning import build_runtime
+    from megatron_hybridep.plan.errors import PlanError
+
+    args = argparse.Namespace(hybridep_replan_replicas=2, moe_expert_capacity_factor=1.0)
+    with pytest.raises(PlanError, match=r"--hybridep-replan-replicas.*capacity-factor.*fix"):
+        build_runtime(args, choice=None)  # no process group exists: it must not get that far
+
+
 def _train(ctx, argv):
     from megatron_hybridep.megatron import cpu_loop
     from megatron_hybridep.megatron.arguments import parse
