@@ -146,7 +146,7 @@ class PlanScheduler:
         rows[me, e:-1] = nbytes
         # compute = the iteration's wall time minus what this rank spent in timed collectives: calibrates
         # the cost model's compute (everything it does not model, every plan pays alike, lands here too)
-        comm = sum(r.seconds for (_, _, _, level), r in stats.records.items() if level == "all")
+        comm = stats.seconds_by()  # per-level records carry bytes only: each call's time counts once
         rows[me, -1] = max(0.0, iteration_s - comm) if iteration_s > 0 else 0.0
         t = torch.from_numpy(np.concatenate([rows.ravel(), secs, ncalls]))
         if dist.get_backend(self.runtime.ep_group) == "nccl":  # NCCL reduces device tensors only
@@ -178,14 +178,16 @@ class PlanScheduler:
                 per_rank = nbytes / self.runtime.plan.ep_size
                 calls = max(1.0, (m.level_calls or {}).get(name, 1.0))
                 fast = secs / calls < self.config.min_call_s and name in self._configured
-                samples = self._samples.setdefault(name, [])
-                samples.append(self._configured[name] if fast else per_rank * 8 / secs / 1e9)
-                del samples[:-self.config.window]
-                self.bandwidth_gbps[name] = float(np.median(samples))
+                rate = self._configured[name] if fast else per_rank * 8 / secs / 1e9
+                self.bandwidth_gbps[name] = self._windowed(self._samples.setdefault(name, []), rate)
         if m.compute_s > 0:
-            self._compute.append(m.compute_s)
-            del self._compute[:-self.config.window]
-            self.compute_s = float(np.median(self._compute))
+            self.compute_s = self._windowed(self._compute, m.compute_s)
+
+    def _windowed(self, samples: list[float], value: float) -> float:
+        """Add a sample, keep the last `window`, return their median."""
+        samples.append(value)
+        del samples[:-self.config.window]
+        return float(np.median(samples))
 
     def measured_topology(self) -> Topology:
         levels = tuple(dataclasses.replace(lv, bandwidth_gbps=self.bandwidth_gbps.get(lv.name, lv.bandwidth_gbps),

@@ -87,6 +87,13 @@ class TestbedConfig:
             return [shaping.parse_rate_mbit(r) for r in self.rate_mbit]
         return [shaping.parse_rate_mbit(self.rate_mbit)] * self.dcs
 
+    def fabric(self) -> float | None:
+        """The DC fabric's rate in Mbit/s (None = unshaped)."""
+        try:
+            return shaping.parse_rate_mbit(self.fabric_mbit)
+        except TestbedError as exc:
+            raise TestbedError(f"fabric_mbit (--fabric): {exc}") from None
+
     def validate(self) -> None:
         if not 1 <= self.dcs <= MAX_DCS:
             raise TestbedError(f"dcs must be in 1..{MAX_DCS}, got {self.dcs}")
@@ -101,10 +108,7 @@ class TestbedConfig:
             raise TestbedError("jitter needs a delay (netem varies the delay by +- jitter)")
         shaping.parse_burst_ms(self.burst_ms)
         self.rates()
-        try:
-            shaping.parse_rate_mbit(self.fabric_mbit)
-        except TestbedError as exc:
-            raise TestbedError(f"fabric_mbit (--fabric): {exc}") from None
+        self.fabric()
 
 
 class Testbed:
@@ -214,7 +218,7 @@ class Testbed:
                 netem_checked = True
             self._apply(dc, ns, DC_DEV, dc_shape)
             self._apply(dc, sw, port, shaping.LinkShape(rates[dc], burst_ms=burst))
-            if (fabric := shaping.parse_rate_mbit(self.config.fabric_mbit)) is not None:
+            if (fabric := self.config.fabric()) is not None:
                 # lo carries 64 KB packets: the default >= 70 KB bucket, never the wire-size setting
                 shaping.apply(ns, "lo", shaping.LinkShape(fabric))
 
@@ -329,7 +333,7 @@ class Testbed:
     def expected_mbit(self, src_dc: int, dst_dc: int) -> float | None:
         """The rate a flow src -> dst should get: min of both uplinks (inside a DC: the fabric); None unshaped."""
         if src_dc == dst_dc:
-            return shaping.parse_rate_mbit(self.config.fabric_mbit)
+            return self.config.fabric()
         rates = [r for r in (self.rates()[src_dc], self.rates()[dst_dc]) if r is not None]
         return min(rates) if rates else None
 
@@ -410,7 +414,7 @@ class Testbed:
             extra += f", delay {self.config.delay_ms:g} ms"
             if self.config.jitter_ms:
                 extra += f" +- {self.config.jitter_ms:g} ms"
-        if (fabric := shaping.parse_rate_mbit(self.config.fabric_mbit)) is not None:
+        if (fabric := self.config.fabric()) is not None:
             extra += f", DC fabric {fabric:g} Mbit/s (shared by a DC's ranks)"
         return (f"testbed {self.prefix}: {self.dcs} DCs x {self.config.ranks_per_dc} ranks, "
                 f"uplink Mbit/s [{rates}]{extra}")

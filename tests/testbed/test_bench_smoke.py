@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
-from testbed_helpers import REPO, leftovers
+from testbed_helpers import leftovers, run_to_end
 
 from megatron_hybridep.testbed.bench import SMOKE
 
@@ -23,16 +20,9 @@ LIMIT_S = 90
 
 def test_bench_smoke_end_to_end(root_host, tmp_path):
     out = tmp_path / "bench"
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_hybridep", "bench", "--smoke", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
-    try:
-        stdout, _ = proc.communicate(timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # the bench tears its testbed down on SIGTERM
-        stdout, _ = proc.communicate(timeout=30)
-        pytest.fail(f"bench --smoke took more than {LIMIT_S} s:\n{stdout[-4000:]}")
+    proc, stdout = run_to_end(["-m", "megatron_hybridep", "bench", "--smoke", "--out", str(out)], LIMIT_S,
+                              "bench --smoke")
     elapsed = time.monotonic() - t0
     assert proc.returncode == 0, stdout[-4000:]
     assert leftovers(f"hep-{proc.pid}") == []  # namespaces and state file gone

@@ -5,13 +5,10 @@ never switches; outputs written, the testbed torn down."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
-from testbed_helpers import REPO, leftovers
+from testbed_helpers import REPO, leftovers, run_to_end
 
 pytestmark = pytest.mark.slow
 
@@ -19,17 +16,9 @@ LIMIT_S = 120
 
 
 def test_replan_demo_smoke_switches_after_the_rate_drop_only(root_host, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "replan_demo.py"), "--smoke", "--out",
-                             str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=REPO)
-    try:
-        stdout, _ = proc.communicate(timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # the demo tears its testbed down on SIGTERM
-        stdout, _ = proc.communicate(timeout=30)
-        pytest.fail(f"replan_demo --smoke took more than {LIMIT_S} s:\n{stdout[-4000:]}")
+    proc, stdout = run_to_end([str(REPO / "benchmarks" / "replan_demo.py"), "--smoke", "--out", str(tmp_path)],
+                              LIMIT_S, "replan_demo --smoke")
     assert proc.returncode == 0, stdout[-4000:]
     assert leftovers(f"hep-{proc.pid}") == []
     result = json.loads((tmp_path / "replan_demo_smoke.json").read_text())

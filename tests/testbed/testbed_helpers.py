@@ -76,3 +76,20 @@ def read_until(proc: subprocess.Popen[str], pattern: str, timeout_s: float = 30.
     proc.kill()
     err = proc.stderr.read() if proc.stderr else ""
     raise AssertionError(f"no line matching {pattern!r}; stdout={seen!r}; stderr={err[-3000:]}")
+
+
+def run_to_end(args: list[str], limit_s: float, what: str) -> tuple[subprocess.Popen[str], str]:
+    """Run a command of this repo (PYTHONPATH set) to its end; past limit_s, SIGTERM it (our tools
+    tear their testbed down on it) and fail with its output. Returns (process, stdout+stderr)."""
+    import pytest
+
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=REPO)
+    try:
+        stdout, _ = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        stdout, _ = proc.communicate(timeout=30)
+        pytest.fail(f"{what} took more than {limit_s} s:\n{stdout[-4000:]}")
+    return proc, stdout
