@@ -101,7 +101,8 @@ def _incremental_copies(ctx, incremental, use_shared, ahead=False, numel=64, rat
     shared = SharedExpert(dist.group.WORLD, ctx.world_size, refresh_every=0) if use_shared else None
     stats = Stats()
     gather = DomainGather([("weight", own)], dist.group.WORLD, ctx.rank, stats=stats, shared=shared,
-                          config=MigrationConfig(ratio, use_shared=use_shared, incremental=incremental))
+                          config=MigrationConfig(ratio, use_shared=use_shared, incremental=incremental,
+                                                 hold_copies=False))  # a gather per call, weights fixed or not
     peer = 1 - ctx.rank
 
     def error() -> float:

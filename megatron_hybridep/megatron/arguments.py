@@ -72,6 +72,12 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--hybridep-replan-replicas", type=_count, default=0,
                    help="hot-expert replicas per rank the scheduler may add to a prebuilt plan when measured "
                         "routing makes them pay (exact copies, no new groups; 0 = off)")
+    g.add_argument("--hybridep-borrowed-copies", choices=("auto", "iteration", "microbatch"), default="auto",
+                   help="'iteration': gather borrowed experts once per optimizer step, keep them for every "
+                        "micro-batch and return their gradients once; 'microbatch': gather and return in every "
+                        "micro-batch (less memory); auto: iteration when the held copies fit the memory limit")
+    g.add_argument("--hybridep-fp64", action="store_true",
+                   help="CPU only: float64 parameters and gradients (exactness checks against alltoall)")
     g.add_argument("--hybridep-log-plan", action="store_true", help="print every candidate plan at start-up")
     g.add_argument("--hybridep-nproc", type=int, default=4,
                    help="ranks to launch on this machine when not started by torchrun/srun (CPU, gloo)")

@@ -2,10 +2,11 @@
 
 Megatron's own training loop (megatron.training.pretrain) hard-codes CUDA too deeply to patch
 narrowly, so on CPU this small loop drives the *same* Megatron pieces: the argument parser and
-validation, core_transformer_config_from_args, GPTModel with the local layer spec, Megatron's DDP
-and optimizer built from args (get_megatron_ddp_config / get_megatron_optimizer_config), the
-OptimizerParamScheduler, finalize_model_grads and dist_checkpointing for --save/--load. On GPU
-clusters pretrain_moe.py uses megatron.training.pretrain instead.
+validation, core_transformer_config_from_args, GPTModel chunks with the local layer spec (pipeline
+stages and virtual stages as megatron.training.get_model builds them), Megatron's DDP and optimizer
+built from args, the OptimizerParamScheduler, Megatron's schedule (get_forward_backward_func: all
+micro-batches, 1F1B / interleaved under PP, no_sync, finalize_model_grads) and dist_checkpointing
+for --save/--load. On GPU clusters pretrain_moe.py uses megatron.training.pretrain instead.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -49,6 +51,13 @@ def _validated(args: argparse.Namespace) -> argparse.Namespace:
     if args.moe_token_dispatcher_type == "hybridep" and args.gradient_accumulation_fusion:
         args.gradient_accumulation_fusion = False  # no fused wgrad into main_grad on CPU anyway
     validate_args(args)
+    if getattr(args, "hybridep_fp64", False):
+        import torch
+
+        if args.bf16 or args.fp16:
+            raise ValueError("--hybridep-fp64 runs every parameter in float64; fix: drop --bf16/--fp16")
+        args.params_dtype = torch.float64  # exactness checks: summation order cannot hide or fake a bug
+        args.accumulate_allreduce_grads_in_fp32 = False  # main grads in the parameters' float64
     set_args(args)
     from megatron.training.global_vars import _build_tokenizer
 
@@ -56,8 +65,10 @@ def _validated(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def build_model(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
-    """(DDP model, optimizer, scheduler, config) from Megatron args, as pretrain_gpt.py builds them."""
+def build_model(args: argparse.Namespace) -> tuple[list[Any], Any, Any, Any]:
+    """(DDP model chunks, optimizer, scheduler, config) from Megatron args, as pretrain_gpt.py and
+    megatron.training.get_model build them: one chunk per virtual pipeline stage of this rank."""
+    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -72,16 +83,26 @@ def build_model(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     config = core_transformer_config_from_args(args)
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=args.qk_layernorm)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-                     max_sequence_length=args.max_position_embeddings,
-                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                     position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base)
-    model = DistributedDataParallel(config=config, ddp_config=get_megatron_ddp_config(args), module=model)
-    model.broadcast_params()
+    vp = args.virtual_pipeline_model_parallel_size
+    chunks = []
+    for stage in range(vp or 1):
+        vp_stage = stage if vp else None
+        module = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                          max_sequence_length=args.max_position_embeddings,
+                          pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                          post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                          share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                          position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+                          vp_stage=vp_stage)
+        module.vp_stage = vp_stage
+        chunk = DistributedDataParallel(config=config, ddp_config=get_megatron_ddp_config(args), module=module,
+                                        disable_bucketing=stage > 0)
+        chunk.broadcast_params()
+        chunks.append(chunk)
     opt_config, overrides = get_megatron_optimizer_config(args)
-    optimizer = get_megatron_optimizer(opt_config, [model], config_overrides=overrides)
+    optimizer = get_megatron_optimizer(opt_config, chunks, config_overrides=overrides)
     scheduler = get_optimizer_param_scheduler(optimizer)
-    return model, optimizer, scheduler, config
+    return chunks, optimizer, scheduler, config
 
 
 def _plan_job(args: argparse.Namespace, world: int) -> PlanChoice | None:
@@ -100,7 +121,6 @@ def run(args: argparse.Namespace, collect_params: bool = False,
     step_seconds, scheduler_decision_or_None)`` runs after each iteration's log (benchmarks use it to
     sync with a controller, e.g. to change the WAN rate at a known iteration)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_hybridep.megatron import cpu_runtime, register, teardown
@@ -122,23 +142,33 @@ def run(args: argparse.Namespace, collect_params: bool = False,
 
         runtime = build_runtime(args, choice)
         scheduler = runtime.scheduler
-    model, optimizer, lr_scheduler, _ = build_model(args)
-    iteration = checkpoint.load(args, model, optimizer, lr_scheduler) if args.load else 0
+    chunks, optimizer, lr_scheduler, config = build_model(args)
+    model = chunks[0] if len(chunks) == 1 else chunks  # checkpoint.py takes one chunk
+    iteration = checkpoint.load(args, _one(chunks, "--load"), optimizer, lr_scheduler) if args.load else 0
     batches = data.train_batches(args, start_iteration=iteration)
     reporter = Reporter(args, choice, runtime, rank)
     micro = args.global_batch_size // (args.micro_batch_size * ps.get_data_parallel_world_size())
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_hybridep.megatron import grad_sync
+
+    grad_sync.install(config, chunks, runtime)
+    config.grad_scale_func = optimizer.scale_loss
+    forward_backward = get_forward_backward_func()
+    iterators = [_MicroBatches() for _ in chunks]
     saved = False
     while iteration < args.train_iters:
         t0 = time.perf_counter()
-        model.zero_grad_buffer()
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        loss_sum = 0.0
-        for _ in range(micro):
-            tokens, labels = next(batches)
-            loss = _forward(model, tokens, labels) / micro
-            loss.backward()
-            loss_sum += loss.item()
-        finalize_model_grads([model])
+        batch_list = [next(batches) for _ in range(micro)]
+        for it in iterators:
+            it.load(batch_list)
+        losses = forward_backward(forward_step_func=_forward_step, data_iterator=iterators if len(chunks) > 1
+                                  else iterators[0], model=chunks, num_microbatches=micro,
+                                  seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                                  forward_only=False)
         ok, grad_norm, _ = optimizer.step()
         if not ok:
             raise RuntimeError(f"iteration {iteration}: optimizer step skipped (non-finite gradients)")
@@ -150,27 +180,79 @@ def run(args: argparse.Namespace, collect_params: bool = False,
         if runtime is not None:
             runtime.after_optimizer_step()
         seconds = time.perf_counter() - t0
-        reporter.step(iteration, loss_sum, seconds, grad_norm, lr_scheduler, decision)
+        reporter.step(iteration, _mean_loss(losses), seconds, grad_norm, lr_scheduler, decision)
         if on_iteration is not None:
             on_iteration(iteration, seconds, decision)
         saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
         if saved:
-            checkpoint.save(args, iteration, model, optimizer, lr_scheduler)
+            checkpoint.save(args, iteration, _one(chunks, "--save"), optimizer, lr_scheduler)
         if args.exit_interval and iteration % args.exit_interval == 0:  # Megatron's --exit-interval
             break
     if scheduler is not None:
         scheduler.close()
     if args.save and not saved:
-        checkpoint.save(args, iteration, model, optimizer, lr_scheduler)
+        checkpoint.save(args, iteration, _one(chunks, "--save"), optimizer, lr_scheduler)
     summary = reporter.finish(time.perf_counter() - start)
     if collect_params:
-        summary.params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+        summary.params = {f"{_chunk_prefix(c)}{n}": p.detach().clone()
+                          for c in chunks for n, p in c.module.named_parameters()}
+    del model
     if runtime is not None:
         teardown()
     ps.destroy_model_parallel()
     return summary
 
 
-def _forward(model: Any, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _one(chunks: list[Any], flag: str) -> Any:
+    if len(chunks) != 1:
+        raise ValueError(f"{flag} with virtual pipeline stages is not supported by the CPU loop; fix: drop "
+                         "--num-layers-per-virtual-pipeline-stage or the checkpoint flag")
+    return chunks[0]
+
+
+def _chunk_prefix(chunk: Any) -> str:
+    """Parameter names of a pipeline stage's chunk, by global layer (comparable across layouts)."""
+    stage = getattr(chunk.module, "vp_stage", None)
+    return "" if stage is None else f"vp{stage}."
+
+
+class _MicroBatches:
+    """The iteration's micro-batches for one model chunk: every pipeline stage and virtual chunk of
+    a data-parallel rank reads the same ones (first stages the tokens, last stages the labels)."""
+
+    def __init__(self) -> None:
+        self.pending: list[Any] = []
+
+    def load(self, batches: list[Any]) -> None:
+        self.pending = list(batches)
+
+    def __iter__(self) -> _MicroBatches:
+        return self
+
+    def __next__(self) -> Any:
+        return self.pending.pop(0)
+
+
+def _forward_step(data_iterator: Any, model: Any) -> tuple[Any, Callable[..., Any]]:
+    """Megatron's forward_step_func: (output, loss_func) as pretrain_gpt.py returns them; non-last
+    pipeline stages get their input from the schedule (set_input_tensor)."""
+    tokens, labels = next(data_iterator)
     position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-    return model(input_ids=tokens, position_ids=position_ids, attention_mask=None, labels=labels).float().mean()
+    output = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, labels=labels)
+    return output, partial(_loss, labels.numel())
+
+
+def _loss(count: int, per_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Sum of per-token losses and their count (Megatron divides by both count and micro-batches)."""
+    wide = torch.promote_types(per_token.dtype, torch.float32)
+    total = per_token.to(wide).sum()
+    n = torch.tensor(count, dtype=torch.int)
+    return total, n, {"lm loss": torch.stack([total.detach(), n.to(wide)])}
+
+
+def _mean_loss(losses: list[dict[str, torch.Tensor]]) -> float:
+    """This rank's mean loss over the iteration (NaN on ranks without the last pipeline stage)."""
+    if not losses:
+        return math.nan
+    total = torch.stack([x["lm loss"] for x in losses]).sum(dim=0)
+    return (total[0] / total[1]).item()

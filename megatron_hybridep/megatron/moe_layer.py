@@ -140,12 +140,13 @@ class HybridEPMoELayer(MoELayer):
         if domain_size > 1:
             gather = DomainGather(list(self.experts.named_parameters()), groups.domain, groups.domain_position,
                                   layer=self._layer_key(), stats=self._runtime.stats, levels=groups.domain_levels,
-                                  num_local=local, config=self._runtime.migration, shared=self._shared)
+                                  num_local=local, config=self._runtime.migration, shared=self._shared,
+                                  defer=self._defer)
         if plan.replicas:
             levels = tuple(crossing_level(plan, groups.ep_rank, q) for q in range(plan.ep_size))
             replicas = ReplicaExchange(list(self.experts.named_parameters()), local, plan, groups.ep_rank,
                                        self._runtime.ep_group, layer=self._layer_key(), stats=self._runtime.stats,
-                                       levels=levels)
+                                       levels=levels, hold=self._runtime.migration.hold_copies, defer=self._defer)
         instrument(dispatcher, self._runtime.stats, self._layer_key(), groups.rail_levels)
         return PlanState(dispatcher, gather, replicas)
 
@@ -155,6 +156,9 @@ class HybridEPMoELayer(MoELayer):
 
     def _layer_key(self) -> int:
         return int(self.layer_number or 0)
+
+    def _defer(self) -> bool:
+        return self._runtime.defer_grad_return
 
     # ---- runtime hooks ---------------------------------------------------------------------
     def start_gather(self) -> None:
@@ -173,6 +177,17 @@ class HybridEPMoELayer(MoELayer):
         gather = self._active.gather
         if gather is not None:
             gather.encode_ahead()
+
+    def _owing(self) -> list[Any]:
+        state = self._active
+        return [x for x in (state.gather, state.replicas) if x is not None and x.owed.owes]
+
+    def owes_grads(self) -> bool:
+        return bool(self._owing())
+
+    def flush_owed(self) -> None:
+        for x in self._owing():
+            x.flush_owed()
 
     def drop_gather(self) -> None:
         for state in self._plan_state:

@@ -79,7 +79,8 @@ def migration_from_args(args: argparse.Namespace) -> MigrationConfig:
                            grad_compression_ratio=args.hybridep_grad_compression_ratio,
                            use_shared=not args.hybridep_no_shared_expert,
                            shared_refresh_every=args.hybridep_shared_refresh_interval,
-                           incremental=getattr(args, "hybridep_residual_base", "copy") == "copy")
+                           incremental=getattr(args, "hybridep_residual_base", "copy") == "copy",
+                           hold_copies=getattr(args, "hybridep_borrowed_copies", "auto") != "microbatch")
 
 
 def setup_from_args(args: argparse.Namespace, world_size: int, ep_group: Any = None) -> PlanChoice:

@@ -65,11 +65,11 @@ class Reporter:
 
     def step(self, iteration: int, loss: float, seconds: float, grad_norm: Any, scheduler: Any,
              decision: Any = None) -> None:
-        from megatron.core import parallel_state as ps
-
-        t = torch.tensor([loss])
-        dist.all_reduce(t, group=ps.get_data_parallel_group())
-        loss = t.item() / ps.get_data_parallel_world_size()
+        # only last pipeline stages have a loss (NaN elsewhere): mean over the ranks that do
+        has = loss == loss
+        t = torch.tensor([loss if has else 0.0, float(has)], dtype=torch.float64)
+        dist.all_reduce(t)
+        loss = (t[0] / t[1]).item()
         inter_dc, exposed = self._comm()
         s = self.summary
         s.iterations = iteration

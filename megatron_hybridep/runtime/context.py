@@ -6,11 +6,13 @@ Knows nothing of Megatron: the layers it holds only need ``start_gather(plan_ind
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
 from megatron_hybridep.plan.errors import PlanError
@@ -28,6 +30,8 @@ class GatheringLayer(Protocol):
     def on_step(self, step: int) -> None: ...
     def encode_ahead(self) -> None: ...
     def add_plan(self, groups: PlanGroups) -> None: ...
+    def owes_grads(self) -> bool: ...
+    def flush_owed(self) -> None: ...
 
 
 class HybridEPRuntime:
@@ -48,6 +52,9 @@ class HybridEPRuntime:
         self.stats = Stats()
         self.layers: list[GatheringLayer] = []
         self.scheduler: Any = None  # runtime.scheduler.PlanScheduler when the job re-plans (set by its builder)
+        # > 0 while Megatron accumulates gradients without synchronising them (its no_sync): the
+        # gradients of borrowed copies are then owed, and returned by the first backward after it
+        self._no_sync_depth = 0
 
     @property
     def plan(self) -> Plan:
@@ -63,9 +70,33 @@ class HybridEPRuntime:
 
     def after_experts(self, index: int) -> None:
         """Layer ``index`` has its experts: start the next layer's gather so it overlaps this
-        layer's combine and the next layer's attention."""
-        if self.prefetch and index + 1 < len(self.layers):
+        layer's combine and the next layer's attention. Not from a forward recomputed inside the
+        backward pass: the next layer's backward is already done by then."""
+        if self.prefetch and index + 1 < len(self.layers) and torch._C._current_autograd_node() is None:
             self.layers[index + 1].start_gather()
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Wrap Megatron's no_sync with this: borrowed copies' gradients accumulate locally and
+        return to their owners once, in the first backward after it (the iteration's last)."""
+        self._no_sync_depth += 1  # a count: interleaved schedules leave chunks' no_sync out of order
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    @property
+    def defer_grad_return(self) -> bool:
+        return self._no_sync_depth > 0
+
+    def flush_owed_grads(self) -> int:
+        """Before Megatron synchronises gradients: return what a schedule left owed (one whose last
+        backward ran under no_sync, e.g. interleaved chunks) straight into the owners' main grads.
+        Collective over each domain, in layer order on every rank. Returns how many layers owed."""
+        owing = [layer for layer in self.layers if layer.owes_grads()]
+        for layer in owing:
+            layer.flush_owed()
+        return len(owing)
 
     def after_optimizer_step(self) -> None:
         """Parameters are final for the next iteration: advance the step (the shared-expert

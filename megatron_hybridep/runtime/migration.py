@@ -18,22 +18,29 @@ bit without extra traffic. Owners always compute with their exact weights; the g
 with a borrowed approximation is returned as the owner's gradient (straight-through), exactly or
 top-k compressed with error feedback.
 
+Borrowed copies per iteration (``MigrationConfig.hold_copies``, the default): a layer gathers
+once per optimizer step and keeps the copies for every micro-batch of the iteration (and a
+recomputed forward); their gradients accumulate and return to the owners once, in the iteration's
+last backward (borrowed.py). Without it, every forward gathers and every backward returns.
+
 Memory bound per layer and rank (n = numel of this rank's experts, S = domain size): while in
-flight, one payload buffer of S x encoded(n); after decode, S-1 copies of n held for backward;
-incremental compression keeps those S-1 copies between iterations plus one mirror of n (what the
-peers hold of this rank's experts).
+flight, one payload buffer of S x encoded(n); after decode, S x n held (own slot unused) for the
+iteration (hold_copies) or for the micro-batch's backward, plus an fp32 gradient accumulator of
+S x n while deferring; incremental compression keeps the S-1 copies between iterations plus one
+mirror of n (what the peers hold of this rank's experts).
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from megatron_hybridep.runtime.borrowed import OwedGradient, add_to_grads, split_like, version_key
 from megatron_hybridep.runtime.compression import (
     ErrorFeedbackTopK,
     SharedExpertRule,
@@ -55,6 +62,7 @@ class MigrationConfig:
     use_shared: bool = True              # shared + residual; False = plain top-k (the paper's ablation)
     shared_refresh_every: int = 10       # optimizer steps between shared-expert refreshes (0 = frozen)
     incremental: bool = True             # residual against the peers' current copy (else against shared)
+    hold_copies: bool = True             # one gather per optimizer step, gradients returned once per iteration
 
     def __post_init__(self) -> None:
         for name in ("compression_ratio", "grad_compression_ratio"):
@@ -111,25 +119,27 @@ class SharedExpert:
 
 
 class _Pending:
-    """An in-flight all-gather: the buffer it fills, its handle, and the shared tensor used."""
+    """An in-flight all-gather: the buffer it fills, its handle, the shared tensor used, and the
+    version of the owners' parameters it carries."""
 
     def __init__(self, buffer: torch.Tensor, handle: dist.Work | None, started: float,
-                 shared: torch.Tensor | None) -> None:
-        self.buffer, self.handle, self.started, self.shared = buffer, handle, started, shared
+                 shared: torch.Tensor | None, key: tuple[int, ...]) -> None:
+        self.buffer, self.handle, self.started, self.shared, self.key = buffer, handle, started, shared, key
 
 
 class _Gathered(torch.autograd.Function):
-    """y = gather(x) within the domain (decoded if compressed); dy -> the transpose: every peer's
-    gradient for this rank's own chunk, summed."""
+    """y = the domain's gathered experts (decoded if compressed), as a function of this rank's own
+    parameters; dy -> the transpose: every peer's gradient for this rank's chunk, summed (owed
+    until the runtime stops deferring)."""
 
     @staticmethod
-    def forward(ctx, flat_own: torch.Tensor, pending: _Pending, owner: DomainGather) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, buffer: torch.Tensor, owner: DomainGather, *params: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
         ctx.owner = owner
-        return owner._finish(pending, flat_own)
+        return buffer.view_as(buffer)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        return ctx.owner._return_grads(grad), None, None
+        return None, None, *split_like(ctx.owner._owed(grad), ctx.owner.params)
 
 
 class DomainGather:
@@ -138,7 +148,8 @@ class DomainGather:
     def __init__(self, params: Sequence[tuple[str, torch.nn.Parameter]], group: dist.ProcessGroup,
                  position: int, layer: int = 0, stats: Stats | None = None,
                  levels: Sequence[str] | None = None, num_local: int = 1,
-                 config: MigrationConfig | None = None, shared: SharedExpert | None = None) -> None:
+                 config: MigrationConfig | None = None, shared: SharedExpert | None = None,
+                 defer: Callable[[], bool] | None = None) -> None:
         ordered = expert_major(params, num_local)
         self.names = [n for n, _ in ordered]
         self.params = [p for _, p in ordered]
@@ -171,6 +182,12 @@ class DomainGather:
         self._held_shared: torch.Tensor | None = None  # the shared tensor each was last moved with
         self._copies_shared: torch.Tensor | None = None
         self._encoded: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
+        self._encoded_key: tuple[int, ...] | None = None
+        # the copies of this optimizer step (hold_copies) and the version of the parameters they carry
+        self._copy: torch.Tensor | None = None
+        self._copy_key: tuple[int, ...] | None = None
+        self.owed = OwedGradient(defer if defer is not None and self.config.hold_copies else (lambda: False),
+                                 self._return_grads)
 
     @property
     def bytes_per_rank(self) -> int:
@@ -205,14 +222,28 @@ class DomainGather:
     def encode_ahead(self) -> None:
         """Right after the optimizer step (compressed only): encode now, while the weights are fresh,
         and launch the gather later (prefetch order). Encoding again before a launch replaces it."""
-        if self.codec is not None and self.size > 1 and self._pending is None:
-            self._encoded = self._encode()
+        if self.codec is not None and self.size > 1 and self._pending is None and not self._holds_current():
+            self._encoded, self._encoded_key = self._encode(), version_key(self.params)
+
+    def _holds_current(self) -> bool:
+        return self._copy is not None and self._copy_key == version_key(self.params)
 
     def start(self) -> None:
-        """Launch the all-gather now (no-op if one is in flight). Parameters must not change until
-        ``borrowed()``: start it after the optimizer step or within a forward pass."""
-        if self._pending is not None or self.size == 1:
+        """Launch the all-gather now: a no-op if one for the current parameters is in flight or their
+        copies are held. Parameters must not change until ``borrowed()``: start it after the
+        optimizer step or within a forward pass. A gather of older parameters (a prefetch that
+        outlived a step) is waited for and dropped, never used."""
+        if self.size == 1:
             return
+        key = version_key(self.params)
+        if self._pending is not None:
+            if self._pending.key == key:
+                return
+            self._forget_gathers()
+        if self.config.hold_copies and self._holds_current():
+            return
+        if self._encoded is not None and self._encoded_key != key:
+            self._encoded = None
         payload, shared, base = self._encoded or self._encode()
         self._encoded = None
         if base is not None:  # what the peers will hold once they decode this payload
@@ -220,17 +251,23 @@ class DomainGather:
             self._held_shared = shared
         buffer = payload.new_empty(self.size * payload.numel())
         handle = _all_gather(buffer, payload, group=self.group, async_op=True)
-        self._pending = _Pending(buffer, handle, time.perf_counter(), shared)
+        self._pending = _Pending(buffer, handle, time.perf_counter(), shared, key)
 
     def borrowed(self) -> list[dict[str, torch.Tensor] | None]:
         """Per domain position, the peer's expert parameters by name (None for this rank itself:
-        owners compute with their own parameters). Starts the gather if nobody did."""
+        owners compute with their own parameters). Gathers if the copies of the current parameters
+        are not held (starting the gather if nobody did)."""
         if self.size == 1:
             return [None]
-        self.start()
-        pending, self._pending = self._pending, None
-        assert pending is not None
-        gathered = _Gathered.apply(self._flat(detach=False), pending, self)
+        if self.config.hold_copies and self._holds_current():
+            buffer = self._copy
+        else:
+            self.start()
+            pending, self._pending = self._pending, None
+            assert pending is not None
+            buffer = self._finish(pending)
+            self._copy, self._copy_key = (buffer, pending.key) if self.config.hold_copies else (None, None)
+        gathered = _Gathered.apply(buffer, self, *self.params)
         out: list[dict[str, torch.Tensor] | None] = []
         for q, chunk in enumerate(gathered.split(self.numel)):
             if q == self.position:
@@ -243,15 +280,24 @@ class DomainGather:
             out.append(views)
         return out
 
+    def _owed(self, grad: torch.Tensor) -> torch.Tensor | None:
+        return self.owed(grad)
+
+    def flush_owed(self) -> None:
+        """Return a gradient still owed (collective over the domain) into the owners' main grads."""
+        flat = self.owed.flush()
+        if flat is not None:
+            add_to_grads(flat, self.params)
+
     # ---- called by _Gathered ----------------------------------------------------------------
-    def _finish(self, pending: _Pending, flat_own: torch.Tensor) -> torch.Tensor:
+    def _finish(self, pending: _Pending) -> torch.Tensor:
         t0 = time.perf_counter()
         if pending.handle is not None:
             pending.handle.wait()
         if self.codec is None:
             result = pending.buffer
         else:
-            result = flat_own.new_zeros(self.size * self.numel)
+            result = self.params[0].new_zeros(self.size * self.numel)
             slots = pending.buffer.view(self.size, -1)
             rows = result.view(self.size, self.num_local, -1)
             for q in range(self.size):
@@ -327,10 +373,17 @@ class DomainGather:
             if pos != self.position:
                 self.stats.add(self.layer, phase, "domain", nbytes, 0.0, level=level)
 
-    def drop(self) -> None:
-        """Forget an in-flight gather and the incremental copies (plan switch): wait so the buffer
-        is not written later; the next gather under this plan rebuilds from the shared base."""
+    def _forget_gathers(self) -> None:
+        """Wait for an in-flight gather (its buffer must not be written later) and forget it, the
+        held copies and the incremental codec state (the next gather rebuilds from the shared base;
+        every rank forgets at the same point, so owners and peers stay in step)."""
         if self._pending is not None and self._pending.handle is not None:
             self._pending.handle.wait()
         self._pending = self._encoded = None
+        self._copy = self._copy_key = None
         self._held = self._copies = None
+
+    def drop(self) -> None:
+        """Plan switch: forget gathers and copies. Called between iterations, so nothing is owed."""
+        self._forget_gathers()
+        self.owed.forget()

@@ -9,39 +9,42 @@ asynchronously (prefetched like the domain gather); ``exchange(hidden)`` waits a
 autograd-connected copies. The exchange threads the layer's hidden states through the same autograd
 node, so its backward runs after the layer's own backward collectives on every rank, in the same
 order (a collective whose place in the backward differed between ranks could deadlock).
-Replicas are always exact (the codec of the domain gather is not applied to them).
+Replicas are always exact (the codec of the domain gather is not applied to them). Like the
+domain gather, with ``hold`` the weights are exchanged once per optimizer step and the replicas'
+gradients are owed until the iteration's last backward (borrowed.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_hybridep.plan.plan import Plan
+from megatron_hybridep.runtime.borrowed import OwedGradient, add_to_grads, split_like, version_key
 from megatron_hybridep.runtime.instrument import Stats
 from megatron_hybridep.runtime.migration import expert_major
 
 
 class _Pending:
-    def __init__(self, recv: torch.Tensor, handle: dist.Work, started: float) -> None:
-        self.recv, self.handle, self.started = recv, handle, started
+    def __init__(self, recv: torch.Tensor, handle: dist.Work, started: float, key: tuple[int, ...]) -> None:
+        self.recv, self.handle, self.started, self.key = recv, handle, started, key
 
 
 class _Exchanged(torch.autograd.Function):
     """(hidden, own experts) -> (hidden, replica weights); backward: gradients back to owners."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, flat_own: torch.Tensor, pending: _Pending,  # noqa: ANN001
-                owner: ReplicaExchange) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx, hidden: torch.Tensor, recv: torch.Tensor, owner: ReplicaExchange,  # noqa: ANN001
+                *params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.owner = owner
-        return hidden.view_as(hidden), owner._finish(pending)
+        return hidden.view_as(hidden), recv.view_as(recv)
 
     @staticmethod
     def backward(ctx, grad_hidden: torch.Tensor, grad_recv: torch.Tensor):  # noqa: ANN001, ANN205
-        return grad_hidden, ctx.owner._return_grads(grad_recv), None, None
+        return grad_hidden, None, None, *split_like(ctx.owner.owed(grad_recv), ctx.owner.params)
 
 
 class ReplicaExchange:
@@ -49,7 +52,8 @@ class ReplicaExchange:
 
     def __init__(self, params: Sequence[tuple[str, torch.nn.Parameter]], num_local: int, plan: Plan,
                  ep_rank: int, group: dist.ProcessGroup, layer: int = 0, stats: Stats | None = None,
-                 levels: Sequence[str] | None = None) -> None:
+                 levels: Sequence[str] | None = None, hold: bool = False,
+                 defer: Callable[[], bool] | None = None) -> None:
         ordered = expert_major(params, num_local)
         self.names = [n for n, _ in ordered]
         self.params = [p for _, p in ordered]
@@ -66,28 +70,46 @@ class ReplicaExchange:
         self.in_splits = [self.row * sum(1 for e, r in pairs if r == q and e // L == me) for q in range(G)]
         self.out_splits = [self.row * sum(1 for e in self.experts if e // L == q) for q in range(G)]
         self._pending: _Pending | None = None
+        self.hold = hold
+        self._copy: torch.Tensor | None = None
+        self._copy_key: tuple[int, ...] | None = None
+        self.owed = OwedGradient(defer if defer is not None and hold else (lambda: False), self._return_grads)
+
+    def _holds_current(self) -> bool:
+        return self.hold and self._copy is not None and self._copy_key == version_key(self.params)
 
     def _flat(self, detach: bool) -> torch.Tensor:
         return torch.cat([(p.detach() if detach else p).reshape(-1) for p in self.params])
 
     def start(self) -> None:
         """Issue the weight all-to-all now (no-op if in flight). Weights must not change until
-        ``exchange``: call after the optimizer step or within the forward pass."""
+        ``exchange``: call after the optimizer step or within the forward pass. An exchange of older
+        weights (a prefetch that outlived a step) is waited for and dropped."""
+        key = version_key(self.params)
         if self._pending is not None:
+            if self._pending.key == key:
+                return
+            self.drop()
+        if self._holds_current():
             return
         flat = self._flat(detach=True).view(self.num_local, self.row)
         send = flat.index_select(0, self.send_rows).reshape(-1)
         recv = flat.new_empty(sum(self.out_splits))
         handle = dist.all_to_all_single(recv, send, self.out_splits, self.in_splits, group=self.group,
                                         async_op=True)
-        self._pending = _Pending(recv, handle, time.perf_counter())
+        self._pending = _Pending(recv, handle, time.perf_counter(), key)
 
     def exchange(self, hidden: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, list[torch.Tensor]]]]:
         """``hidden`` (threaded through) and, per replicated expert this rank holds, its weight
         tensors in the order of one local expert's parameters (see ``slot_names``)."""
-        self.start()
-        pending, self._pending = self._pending, None
-        hidden, recv = _Exchanged.apply(hidden, self._flat(detach=False), pending, self)
+        if self._holds_current():
+            recv = self._copy
+        else:
+            self.start()
+            pending, self._pending = self._pending, None
+            recv = self._finish(pending)
+            self._copy, self._copy_key = (recv, pending.key) if self.hold else (None, None)
+        hidden, recv = _Exchanged.apply(hidden, recv, self, *self.params)
         shapes = [p.shape for p in self.params[: self.per_param]]
         out = []
         for e, row in zip(self.experts, recv.view(len(self.experts), self.row) if self.experts else (), strict=True):
@@ -129,8 +151,15 @@ class ReplicaExchange:
             if n:
                 self.stats.add(self.layer, phase, "ep", n * size, 0.0, level=self.levels[q])
 
+    def flush_owed(self) -> None:
+        """Return a gradient still owed (collective over the EP group) into the owners' main grads."""
+        flat = self.owed.flush()
+        if flat is not None:
+            add_to_grads(flat, self.params)
+
     def drop(self) -> None:
-        """Forget an in-flight exchange (plan switch)."""
+        """Forget an in-flight exchange and held weights (plan switch, stale prefetch)."""
         if self._pending is not None:
             self._pending.handle.wait()
         self._pending = None
+        self._copy = self._copy_key = None

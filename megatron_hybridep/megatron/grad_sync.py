@@ -1,0 +1,73 @@
+"""Tie the borrowed experts' gradients to Megatron's gradient synchronisation (both loops).
+
+Megatron runs all but the last micro-batch of an iteration under ``config.no_sync_func`` (the
+model chunks' ``no_sync``) and reduces gradients in ``config.finalize_model_grads_func``. Wrapped:
+- no_sync also enters ``runtime.accumulating()``: borrowed copies' gradients accumulate locally and
+  return to their owners in the first backward outside it (the last micro-batch), through autograd
+  into the owners' parameters, so DDP's hooks and buckets see them as plain EP's gradients;
+- finalize first returns whatever a schedule left owed (interleaved chunks whose last backward ran
+  under another chunk's no_sync), then times Megatron's finalize as the dense gradient reduction.
+Megatron sets no_sync_func only with --overlap-grad-reduce; without it DDP's no_sync only marks the
+micro-batch, so installing it is harmless. Checked against megatron-core 0.19.2 (schedules.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+DENSE_PHASE = "dense_grad_allreduce"
+
+
+def _wrap_no_sync(inner: Callable[[], Any] | None, runtime: Any) -> Callable[[], Any]:
+    @contextlib.contextmanager
+    def no_sync() -> Any:
+        with contextlib.ExitStack() as stack:
+            if inner is not None:
+                stack.enter_context(inner())
+            stack.enter_context(runtime.accumulating())
+            yield
+
+    no_sync._hybridep = True  # type: ignore[attr-defined]
+    return no_sync
+
+
+def _wrap_finalize(inner: Callable[..., Any], runtime: Any) -> Callable[..., Any]:
+    def finalize(*args: Any, **kwargs: Any) -> Any:
+        left = runtime.flush_owed_grads()
+        if left and any(getattr(getattr(m, "ddp_config", None), "overlap_grad_reduce", False)
+                        for m in (args[0] if args else kwargs.get("model", []))):
+            raise RuntimeError("hybridep: borrowed gradients were still owed when gradients were already being "
+                               "reduced (--overlap-grad-reduce with this schedule); fix: drop "
+                               "--overlap-grad-reduce or use --hybridep-borrowed-copies microbatch")
+        t0 = time.perf_counter()
+        out = inner(*args, **kwargs)
+        runtime.stats.add(0, DENSE_PHASE, "dp", 0, time.perf_counter() - t0)
+        return out
+
+    finalize._hybridep = True  # type: ignore[attr-defined]
+    return finalize
+
+
+def install(config: Any, model_chunks: Sequence[Any], runtime: Any) -> None:
+    """Point ``config.no_sync_func`` / ``finalize_model_grads_func`` at the wrapped versions
+    (idempotent). Without a runtime (alltoall jobs) only Megatron's defaults are set."""
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    current = config.no_sync_func
+    if current is None:
+        current = [m.no_sync for m in model_chunks]
+        current = current[0] if len(current) == 1 else current
+    if config.finalize_model_grads_func is None:
+        config.finalize_model_grads_func = finalize_model_grads
+    if runtime is None:
+        config.no_sync_func = current
+        return
+    if isinstance(current, list):
+        config.no_sync_func = [f if getattr(f, "_hybridep", False) else _wrap_no_sync(f, runtime) for f in current]
+    elif not getattr(current, "_hybridep", False):
+        config.no_sync_func = _wrap_no_sync(current, runtime)
+    if not getattr(config.finalize_model_grads_func, "_hybridep", False):
+        config.finalize_model_grads_func = _wrap_finalize(config.finalize_model_grads_func, runtime)
