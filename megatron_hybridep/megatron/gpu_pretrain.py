@@ -84,8 +84,10 @@ def _datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | No
 def _after_each_step() -> None:
     """Megatron's loop has no post-step callback: wrap its train_step (looked up by name in train())
     so the runtime learns the step (shared-expert rule, encode/prefetch of layer 0) and its scheduler
-    decides once per iteration, after every optimizer of a chained optimizer has stepped. Checked
-    against 0.19.2."""
+    decides once per iteration, after every optimizer of a chained optimizer has stepped; before the
+    step, borrowed gradients are tied to Megatron's no_sync/finalize (grad_sync.py). Checked
+    against 0.19.2 (train_step(forward_step_func, data_iterator, model, optimizer,
+    opt_param_scheduler, config, ...))."""
     from megatron.training import training
 
     from megatron_hybridep.runtime.context import get_runtime
@@ -95,8 +97,15 @@ def _after_each_step() -> None:
         return
 
     def train_step(*args: Any, **kwargs: Any) -> Any:
-        out = inner(*args, **kwargs)
         runtime = get_runtime()
+        config = kwargs.get("config", args[5] if len(args) > 5 else None)
+        model = kwargs.get("model", args[2] if len(args) > 2 else None)
+        if runtime is not None and config is not None and model is not None:
+            from megatron_hybridep.megatron import grad_sync
+
+            # after train() set its own no_sync/finalize (it asserts no_sync_func is unset before)
+            grad_sync.install(config, model if isinstance(model, list) else [model], runtime)
+        out = inner(*args, **kwargs)
         if runtime is not None:
             if runtime.scheduler is not None:  # decide before the next iteration's first gather starts
                 decision = runtime.scheduler.step(runtime.step + 1)

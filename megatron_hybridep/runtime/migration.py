@@ -377,8 +377,10 @@ class DomainGather:
         """Wait for an in-flight gather (its buffer must not be written later) and forget it, the
         held copies and the incremental codec state (the next gather rebuilds from the shared base;
         every rank forgets at the same point, so owners and peers stay in step)."""
-        if self._pending is not None and self._pending.handle is not None:
-            self._pending.handle.wait()
+        if self._pending is not None:
+            if self._pending.handle is not None:
+                self._pending.handle.wait()
+            self._count_bytes("expert_gather", self.bytes_per_rank)  # its bytes crossed the links all the same
         self._pending = self._encoded = None
         self._copy = self._copy_key = None
         self._held = self._copies = None

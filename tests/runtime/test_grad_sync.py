@@ -1,0 +1,99 @@
+"""grad_sync.install: Megatron's no_sync also defers borrowed gradients (counted, so interleaved
+chunks leaving no_sync out of order still defer), finalize returns what is left owed first, and
+both loops install it once (the GPU loop from its train_step wrapper)."""
+
+import contextlib
+import types
+
+import pytest
+
+from megatron_hybridep.megatron import grad_sync
+
+
+class _Runtime:
+    def __init__(self):
+        from megatron_hybridep.runtime.context import HybridEPRuntime
+        from megatron_hybridep.runtime.instrument import Stats
+
+        self.stats, self._no_sync_depth, self.flushed = Stats(), 0, 0
+        self.accumulating = types.MethodType(HybridEPRuntime.accumulating, self)  # the real counter
+        self.owing = 0
+
+    defer_grad_return = property(lambda self: self._no_sync_depth > 0)
+
+    def flush_owed_grads(self):
+        self.flushed += 1
+        return self.owing
+
+
+class _Chunk:
+    def __init__(self, log, overlap=False):
+        self.log, self.ddp_config = log, types.SimpleNamespace(overlap_grad_reduce=overlap)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.log.append("enter")
+        yield
+        self.log.append("exit")
+
+
+def test_no_sync_defers_and_finalize_flushes_then_times_megatron(monkeypatch):
+    log, runtime = [], _Runtime()
+    config = types.SimpleNamespace(no_sync_func=None,
+                                   finalize_model_grads_func=lambda model, *a, **k: log.append("fin"))
+    chunks = [_Chunk(log)]
+    grad_sync.install(config, chunks, runtime)
+    grad_sync.install(config, chunks, runtime)  # idempotent
+    with config.no_sync_func():
+        assert runtime.defer_grad_return
+    assert not runtime.defer_grad_return and log == ["enter", "exit"]
+    config.finalize_model_grads_func(chunks)
+    assert runtime.flushed == 1 and log[-1] == "fin"
+    assert runtime.stats.seconds_by(phase=grad_sync.DENSE_PHASE) >= 0.0
+
+
+def test_interleaved_chunks_defer_until_the_last_leaves_no_sync():
+    log, runtime = [], _Runtime()
+    config = types.SimpleNamespace(no_sync_func=None, finalize_model_grads_func=lambda *a, **k: None)
+    chunks = [_Chunk(log), _Chunk(log)]
+    grad_sync.install(config, chunks, runtime)
+    a, b = (f() for f in config.no_sync_func)
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)  # chunk 0 syncs while chunk 1 still accumulates: keep deferring
+    assert runtime.defer_grad_return
+    b.__exit__(None, None, None)
+    assert not runtime.defer_grad_return
+
+
+def test_owed_gradients_left_with_overlapped_reduction_are_an_error():
+    runtime = _Runtime()
+    runtime.owing = 1
+    config = types.SimpleNamespace(no_sync_func=None, finalize_model_grads_func=lambda *a, **k: None)
+    chunks = [_Chunk([], overlap=True)]
+    grad_sync.install(config, chunks, runtime)
+    with pytest.raises(RuntimeError, match="overlap-grad-reduce.*fix"):
+        config.finalize_model_grads_func(chunks)
+
+
+def test_gpu_train_step_wrapper_installs_grad_sync(monkeypatch):
+    training = pytest.importorskip("megatron.training.training")
+    from megatron_hybridep.megatron import gpu_pretrain
+    from megatron_hybridep.runtime import context
+
+    runtime = _Runtime()
+    runtime.scheduler, runtime.step = None, 0
+    runtime.after_optimizer_step = lambda: None
+    seen = {}
+
+    def fake_train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, *rest):
+        seen["no_sync"] = config.no_sync_func
+        return "ok"
+
+    monkeypatch.setattr(training, "train_step", fake_train_step)
+    monkeypatch.setattr(context, "_RUNTIME", runtime)
+    config = types.SimpleNamespace(no_sync_func=None, finalize_model_grads_func=None)
+    gpu_pretrain._after_each_step()
+    assert training.train_step(None, None, [_Chunk([])], None, None, config, None) == "ok"
+    assert getattr(seen["no_sync"], "_hybridep", False)
+    assert getattr(config.finalize_model_grads_func, "_hybridep", False)
