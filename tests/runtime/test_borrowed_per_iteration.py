@@ -115,3 +115,20 @@ def test_copies_belong_to_the_step_and_gradients_return_once():
         assert torch.equal(out["grad"], torch.full((6,), 6.0, dtype=torch.float64))  # 1 + 2 + 3 from the peer
         assert torch.equal(out["after_step"], out["expected_after_step"])
         assert out["gathers_after_step"] == 3  # the stale prefetch was waited for, dropped and redone
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("domains", [(1, 1), (2, 1)], ids=["ep+replicas", "domains+replicas"])
+def test_hot_replicas_exact_with_micro_batches_and_recompute(tmp_path, domains):
+    """Hot-expert replicas are borrowed copies too: exchanged once per step, gradients owed."""
+    from megatron_hybridep.plan.plan import Plan
+
+    plan = Plan.grid((2, 2), domains, 8, ("dc", "gpu")).with_replicas([(0, 1), (0, 3), (1, 3)], max_per_rank=2)
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    extra = ["--global-batch-size", "32", *RECOMPUTE["full"]]
+    ref = run_ranks(train, 4, [*BASE, *extra, "--moe-token-dispatcher-type", "alltoall"], timeout=300)
+    got = run_ranks(train, 4, [*BASE, *extra, "--hybridep-plan", str(path)], timeout=300)
+    assert "hot" in got[0]["plan"] or "+" in got[0]["plan"], got[0]["plan"]
+    assert got[0]["inter_dc_by_phase"]["replica_weights"] > 0
+    compare(ref, got, TOL)
