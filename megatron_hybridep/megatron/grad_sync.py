@@ -3,10 +3,13 @@
 Megatron runs all but the last micro-batch of an iteration under ``config.no_sync_func`` (the
 model chunks' ``no_sync``) and reduces gradients in ``config.finalize_model_grads_func``. Wrapped:
 - no_sync also enters ``runtime.accumulating()``: borrowed copies' gradients accumulate locally and
-  return to their owners in the first backward outside it (the last micro-batch), through autograd
-  into the owners' parameters, so DDP's hooks and buckets see them as plain EP's gradients;
-- finalize first returns whatever a schedule left owed (interleaved chunks whose last backward ran
-  under another chunk's no_sync), then times Megatron's finalize as the dense gradient reduction.
+  return to their owners once, from the first backward outside it (the last micro-batch);
+- that backward only launches those returns (asynchronous, overlapping the rest of the backward
+  pass) unless DDP overlaps its own reduction with the backward (--overlap-grad-reduce): then they
+  are blocking, through autograd, so the buckets see them;
+- finalize first collects the returns in flight (and whatever a schedule left owed: interleaved
+  chunks whose last backward ran under another chunk's no_sync) into the owners' main grads, then
+  times Megatron's finalize as the dense gradient reduction.
 Megatron sets no_sync_func only with --overlap-grad-reduce; without it DDP's no_sync only marks the
 micro-batch, so installing it is harmless. Checked against megatron-core 0.19.2 (schedules.py).
 """
@@ -81,6 +84,9 @@ def install(config: Any, model_chunks: Sequence[Any], runtime: Any) -> None:
         if not getattr(config.finalize_model_grads_func, "_hybridep", False):
             config.finalize_model_grads_func = _counting(config.finalize_model_grads_func)
         return
+    # overlapped DDP buckets reduce during the backward: returns must land through autograd before
+    runtime.async_grad_return = not any(getattr(getattr(m, "ddp_config", None), "overlap_grad_reduce", False)
+                                        for m in model_chunks)
     if isinstance(current, list):
         config.no_sync_func = [f if getattr(f, "_hybridep", False) else _wrap_no_sync(f, runtime) for f in current]
     elif not getattr(current, "_hybridep", False):

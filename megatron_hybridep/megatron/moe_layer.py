@@ -151,12 +151,13 @@ class HybridEPMoELayer(MoELayer):
             gather = DomainGather(list(self.experts.named_parameters()), groups.domain, groups.domain_position,
                                   layer=self._layer_key(), stats=self._runtime.stats, levels=groups.domain_levels,
                                   num_local=local, config=self._runtime.migration, shared=self._shared,
-                                  defer=self._defer)
+                                  defer=self._defer, asynchronous=self._asynchronous)
         if plan.replicas:
             levels = tuple(crossing_level(plan, groups.ep_rank, q) for q in range(plan.ep_size))
             replicas = ReplicaExchange(list(self.experts.named_parameters()), local, plan, groups.ep_rank,
                                        self._runtime.ep_group, layer=self._layer_key(), stats=self._runtime.stats,
-                                       levels=levels, hold=self._runtime.migration.hold_copies, defer=self._defer)
+                                       levels=levels, hold=self._runtime.migration.hold_copies, defer=self._defer,
+                                       asynchronous=self._asynchronous)
         instrument(dispatcher, self._runtime.stats, self._layer_key(), groups.rail_levels)
         return PlanState(dispatcher, gather, replicas)
 
@@ -169,6 +170,9 @@ class HybridEPMoELayer(MoELayer):
 
     def _defer(self) -> bool:
         return self._runtime.defer_grad_return
+
+    def _asynchronous(self) -> bool:
+        return self._runtime.async_grad_return
 
     # ---- runtime hooks ---------------------------------------------------------------------
     def start_gather(self) -> None:

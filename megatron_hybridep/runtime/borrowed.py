@@ -8,7 +8,8 @@ it, even by a caller that does not tell the runtime about its steps.
 The gradient computed with a copy is owed to its owner. While the runtime defers (the
 micro-batches Megatron runs under ``no_sync``), it accumulates here, in at least fp32 like
 Megatron's main grads; the first backward outside ``no_sync`` (the iteration's last micro-batch)
-returns the sum once. Nothing owed may survive to the optimizer step (``owes``).
+returns the sum once, launched asynchronously when the loop collects it before Megatron's gradient
+reduction (grad_sync.py). Nothing owed may survive to the optimizer step (``owes``).
 """
 
 from __future__ import annotations
@@ -23,35 +24,49 @@ def version_key(params: Sequence[torch.Tensor]) -> tuple[int, ...]:
 
 
 class OwedGradient:
-    """Accumulates a borrowed copy's gradient while ``defer()`` and sends the total otherwise."""
+    """Accumulates a borrowed copy's gradient while ``defer()``; otherwise returns the total to the
+    owners: through autograd (``send``, blocking), or, when ``asynchronous()``, launched now
+    (``launch`` -> a function that waits and gives the owners' gradient) and collected by ``flush``
+    before Megatron reduces gradients, so the return overlaps the rest of the backward pass."""
 
-    def __init__(self, defer: Callable[[], bool], send: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.defer, self.send = defer, send
+    def __init__(self, defer: Callable[[], bool], send: Callable[[torch.Tensor], torch.Tensor],
+                 launch: Callable[[torch.Tensor], Callable[[], torch.Tensor]] | None = None,
+                 asynchronous: Callable[[], bool] | None = None) -> None:
+        self.defer, self.send, self.launch = defer, send, launch
+        self.asynchronous = asynchronous or (lambda: False)
         self.acc: torch.Tensor | None = None
+        self.pending: Callable[[], torch.Tensor] | None = None
 
     @property
     def owes(self) -> bool:
-        return self.acc is not None
+        return self.acc is not None or self.pending is not None
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor | None:
-        """The gradient for the owners' parameters now, or None while deferring."""
+        """The gradient for the owners' parameters now, or None while deferring or in flight."""
         if self.defer():
             wide = grad.to(torch.promote_types(grad.dtype, torch.float32))
             self.acc = wide.clone() if self.acc is None else self.acc.add_(wide)
             return None
         if self.acc is not None:
             grad, self.acc = self.acc.add_(grad), None
+        if self.launch is not None and self.asynchronous():
+            assert self.pending is None, "a borrowed gradient return is already in flight"
+            self.pending = self.launch(grad)
+            return None
         return self.send(grad)
 
     def flush(self) -> torch.Tensor | None:
-        """Return what is still owed now (a collective: every rank of the group calls it)."""
+        """What is still owed, returned now (collective over the group: every rank calls it)."""
+        if self.pending is not None:
+            finish, self.pending = self.pending, None
+            return finish()
         if self.acc is None:
             return None
         grad, self.acc = self.acc, None
         return self.send(grad)
 
     def forget(self) -> None:
-        self.acc = None
+        self.acc = self.pending = None
 
 
 def split_like(flat: torch.Tensor | None, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:

@@ -55,6 +55,9 @@ class HybridEPRuntime:
         # > 0 while Megatron accumulates gradients without synchronising them (its no_sync): the
         # gradients of borrowed copies are then owed, and returned by the first backward after it
         self._no_sync_depth = 0
+        # set by a loop that collects owed gradients before reducing gradients (grad_sync.install):
+        # the last backward then only launches the returns, which overlap the rest of the backward
+        self.async_grad_return = False
 
     @property
     def plan(self) -> Plan:

@@ -149,7 +149,8 @@ class DomainGather:
                  position: int, layer: int = 0, stats: Stats | None = None,
                  levels: Sequence[str] | None = None, num_local: int = 1,
                  config: MigrationConfig | None = None, shared: SharedExpert | None = None,
-                 defer: Callable[[], bool] | None = None) -> None:
+                 defer: Callable[[], bool] | None = None, asynchronous: Callable[[], bool] | None = None
+                 ) -> None:
         ordered = expert_major(params, num_local)
         self.names = [n for n, _ in ordered]
         self.params = [p for _, p in ordered]
@@ -186,8 +187,9 @@ class DomainGather:
         # the copies of this optimizer step (hold_copies) and the version of the parameters they carry
         self._copy: torch.Tensor | None = None
         self._copy_key: tuple[int, ...] | None = None
-        self.owed = OwedGradient(defer if defer is not None and self.config.hold_copies else (lambda: False),
-                                 self._return_grads)
+        hold = self.config.hold_copies  # per micro-batch: every backward returns, blocking
+        self.owed = OwedGradient(defer if defer is not None and hold else (lambda: False),
+                                 self._return_grads, self._launch_return, asynchronous if hold else None)
 
     @property
     def bytes_per_rank(self) -> int:
@@ -336,6 +338,11 @@ class DomainGather:
         return shared.reshape(1, -1).expand_as(rows).clone()
 
     def _return_grads(self, grad: torch.Tensor) -> torch.Tensor:
+        return self._launch_return(grad)()
+
+    def _launch_return(self, grad: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start returning ``grad`` (S chunks: one per domain position) to the owners; the function
+        returned waits and gives this rank's summed chunk."""
         t0 = time.perf_counter()
         grad = grad.contiguous()
         out = grad.new_zeros(self.numel)
@@ -344,10 +351,15 @@ class DomainGather:
             # gloo's reduce-scatter is an all-reduce plus a slice (2x the bytes on the wire); an
             # all-to-all of the chunks and a local sum sends each chunk once, like NCCL's ring.
             recv = torch.empty_like(grad)
-            dist.all_to_all_single(recv, grad, group=self.group)
-            torch.sum(recv.view(self.size, -1), dim=0, out=out)
+            work = dist.all_to_all_single(recv, grad, group=self.group, async_op=True)
+
+            def done() -> None:
+                torch.sum(recv.view(self.size, -1), dim=0, out=out)
         elif self.grad_codec is None:
-            _reduce_scatter(out, grad, group=self.group)
+            work = _reduce_scatter(out, grad, group=self.group, async_op=True)
+
+            def done() -> None:
+                pass
         else:
             chunks = grad.view(self.size, -1)
             nbytes = self.grad_codec.nbytes(self.numel, grad.dtype)
@@ -356,14 +368,24 @@ class DomainGather:
                 if q != self.position:
                     self.grad_codec.compress((self.layer, q), chunks[q], out=send[q])
             recv = torch.empty_like(send)
-            dist.all_to_all_single(recv, send, group=self.group)
-            for q in range(self.size):
-                if q != self.position:
-                    self.grad_codec.decompress(recv[q], out=out, accumulate=True)
-        if self.stats is not None:
-            self.stats.add(self.layer, "grad_return", "domain", 0, time.perf_counter() - t0)
-            self._count_bytes("grad_return", nbytes)
-        return out
+            work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+
+            def done() -> None:
+                for q in range(self.size):
+                    if q != self.position:
+                        self.grad_codec.decompress(recv[q], out=out, accumulate=True)
+        launched = time.perf_counter() - t0
+
+        def finish() -> torch.Tensor:
+            t1 = time.perf_counter()
+            work.wait()
+            done()
+            if self.stats is not None:  # time this rank spent on it: launching + waiting
+                self.stats.add(self.layer, "grad_return", "domain", 0, launched + time.perf_counter() - t1)
+                self._count_bytes("grad_return", nbytes)
+            return out
+
+        return finish
 
     def _count_bytes(self, phase: str, nbytes: int) -> None:
         """One chunk of ``nbytes`` to every other domain member, counted per link level."""

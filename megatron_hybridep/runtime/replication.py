@@ -53,7 +53,7 @@ class ReplicaExchange:
     def __init__(self, params: Sequence[tuple[str, torch.nn.Parameter]], num_local: int, plan: Plan,
                  ep_rank: int, group: dist.ProcessGroup, layer: int = 0, stats: Stats | None = None,
                  levels: Sequence[str] | None = None, hold: bool = False,
-                 defer: Callable[[], bool] | None = None) -> None:
+                 defer: Callable[[], bool] | None = None, asynchronous: Callable[[], bool] | None = None) -> None:
         ordered = expert_major(params, num_local)
         self.names = [n for n, _ in ordered]
         self.params = [p for _, p in ordered]
@@ -73,7 +73,8 @@ class ReplicaExchange:
         self.hold = hold
         self._copy: torch.Tensor | None = None
         self._copy_key: tuple[int, ...] | None = None
-        self.owed = OwedGradient(defer if defer is not None and hold else (lambda: False), self._return_grads)
+        self.owed = OwedGradient(defer if defer is not None and hold else (lambda: False), self._return_grads,
+                                 self._launch_return, asynchronous if hold else None)
 
     def _holds_current(self) -> bool:
         return self.hold and self._copy is not None and self._copy_key == version_key(self.params)
@@ -133,13 +134,26 @@ class ReplicaExchange:
         return pending.recv
 
     def _return_grads(self, grad_recv: torch.Tensor) -> torch.Tensor:
+        return self._launch_return(grad_recv)()
+
+    def _launch_return(self, grad_recv: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start sending the replicas' gradients to their owners; the function returned waits and
+        gives this rank's experts' share, summed."""
         t0 = time.perf_counter()
         grad_send = grad_recv.new_empty(sum(self.in_splits))
-        dist.all_to_all_single(grad_send, grad_recv.contiguous(), self.in_splits, self.out_splits, group=self.group)
-        grad = grad_recv.new_zeros(self.num_local, self.row)
-        grad.index_add_(0, self.send_rows, grad_send.view(-1, self.row))
-        self._count("replica_grad_return", self.out_splits, time.perf_counter() - t0)
-        return grad.view(-1)
+        work = dist.all_to_all_single(grad_send, grad_recv.contiguous(), self.in_splits, self.out_splits,
+                                      group=self.group, async_op=True)
+        launched = time.perf_counter() - t0
+
+        def finish() -> torch.Tensor:
+            t1 = time.perf_counter()
+            work.wait()
+            grad = grad_recv.new_zeros(self.num_local, self.row)
+            grad.index_add_(0, self.send_rows, grad_send.view(-1, self.row))
+            self._count("replica_grad_return", self.out_splits, launched + time.perf_counter() - t1)
+            return grad.view(-1)
+
+        return finish
 
     def _count(self, phase: str, splits: list[int], seconds: float, wall: float = 0.0) -> None:
         """Bytes this rank sends, per destination's link level, and the time."""
