@@ -245,13 +245,14 @@ def test_compression_shrinks_the_gather_by_the_byte_ratio():
     assert refreshed.total > comp.total
 
 
-def test_micro_batches_repeat_tokens_gathers_and_returns():
-    """The runtime gathers and returns gradients in every micro-batch; layer 0's gather in later
-    micro-batches starts at its MoE block, so it has no T_pre to hide behind."""
+def test_microbatch_mode_repeats_tokens_gathers_and_returns():
+    """borrowed_copies="microbatch": gathers and gradient returns in every micro-batch; layer 0's gather
+    in later micro-batches starts at its MoE block, so it has no T_pre to hide behind."""
     topo = paper_topo(2, 8)
     plan = Plan.grid((2, 8), (2, 1), 32)
-    one = CostModel(topo, workload(num_experts=32)).evaluate(plan)
-    four = CostModel(topo, workload(num_experts=32, micro_batches=4)).evaluate(plan)
+    one = CostModel(topo, workload(num_experts=32, borrowed_copies="microbatch")).evaluate(plan)
+    four = CostModel(topo, workload(num_experts=32, micro_batches=4, borrowed_copies="microbatch")).evaluate(plan)
+    assert four.borrowed_copies == "microbatch"
     Lm, ag, t_pre = workload(num_experts=32).num_moe_layers, one.raw["expert_allgather"], one.raw["t_pre"]
     assert four.phases["token_a2a_fwd"] == pytest.approx(4 * one.phases["token_a2a_fwd"])
     assert one.phases["grad_return"] > 0
@@ -259,6 +260,44 @@ def test_micro_batches_repeat_tokens_gathers_and_returns():
     hidden = max(0.0, ag - t_pre)
     assert four.phases["expert_allgather"] == pytest.approx(4 * Lm * hidden + 3 * (ag - hidden))
     assert four.phases["expert_grad_allreduce"] == one.phases["expert_grad_allreduce"]
+    assert four.levels[0].seconds["expert_allgather"] == pytest.approx(4 * one.levels[0].seconds["expert_allgather"])
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_iteration_mode_gathers_and_returns_once_whatever_the_micro_batches(m):
+    """borrowed_copies="iteration": the gather and the gradient return cost the same at every M;
+    tokens and compute still scale with M."""
+    topo = paper_topo(2, 8)
+    plan = Plan.grid((2, 8), (2, 1), 32)
+    one = CostModel(topo, workload(num_experts=32, borrowed_copies="iteration")).evaluate(plan)
+    many = CostModel(topo, workload(num_experts=32, micro_batches=m, borrowed_copies="iteration")).evaluate(plan)
+    assert many.borrowed_copies == "iteration" and one.phases["grad_return"] > 0
+    for ph in ("expert_allgather", "grad_return", "shared_sync", "expert_grad_allreduce", "dense_grad_allreduce"):
+        assert many.phases[ph] == pytest.approx(one.phases[ph]), ph
+    assert many.phases["token_a2a_fwd"] == pytest.approx(m * one.phases["token_a2a_fwd"])
+    for name in ("expert_allgather", "grad_return"):  # WAN time of these phases per iteration
+        assert many.levels[0].seconds[name] == pytest.approx(one.levels[0].seconds[name])
+
+
+def test_auto_mode_keeps_copies_when_they_fit_and_regathers_when_not():
+    topo = paper_topo(2, 8)
+    plan = Plan.grid((2, 8), (2, 1), 32)
+    w = workload(num_experts=32, micro_batches=8)
+    fits = CostModel(topo, w)  # no memory stated: iteration
+    assert fits.borrowed_copies(plan)[0] == "iteration"
+    it = CostModel(topo, w).memory(plan, mode="iteration")
+    mb = CostModel(topo, w).memory(plan, mode="microbatch")
+    assert it.total > mb.total  # the accumulator of S x own experts is held for the iteration
+    between = (it.total + mb.total) / 2
+    mode, why = CostModel(topo, w, memory_limit_bytes=between).borrowed_copies(plan)
+    assert mode == "microbatch" and "limit" in why and why.endswith("microbatch")
+    mode, why = CostModel(topo, w, memory_limit_bytes=it.total).borrowed_copies(plan)
+    assert mode == "iteration" and why.endswith("iteration")
+    slow = CostModel(topo, w, memory_limit_bytes=between).evaluate(plan)
+    fast = CostModel(topo, w, memory_limit_bytes=it.total).evaluate(plan)
+    assert slow.borrowed_copies == "microbatch" and slow.phases["grad_return"] == pytest.approx(
+        8 * fast.phases["grad_return"])
+    assert CostModel(topo, w.replace(borrowed_copies="microbatch")).borrowed_copies(plan)[0] == "microbatch"
 
 
 def test_gradient_traffic_is_exposed_as_the_runtime_blocks_on_it():
