@@ -300,7 +300,8 @@ class CostModel:
         else:
             own = E // plan.rail_size
             fam, k = dc_replica_family(self.topology), self.topology.level_counts[0]
-        grad_bytes = own * w.expert_params / w.tensor_model_parallel_size * w.grad_bytes * Lm  # one bucket
+        # one bucket: every MoE layer's expert main grads
+        grad_bytes = own * w.expert_params / w.tensor_model_parallel_size * w.main_grad_bytes * Lm
         allreduce = net.ring(fam, 2 * (k - 1) / k * grad_bytes, 2 * (k - 1)) if k > 1 else zero
 
         # overlap as the runtime schedules it (module doc): only the gathers hide

@@ -37,8 +37,9 @@ class Workload:
     shared_experts: int = 0                  # DeepSeek-style always-on experts (compute before the routed ones)
     activation_bytes: int = 2                # bytes per element of dispatched tokens (bf16)
     weight_bytes: int = 2                    # bytes per expert parameter as stored for compute
-    grad_bytes: int = 2                      # bytes per gradient element returned / all-reduced
-    main_grad_bytes: int = 4                 # gradient buffers kept for the optimizer (fp32 main grads under bf16)
+    grad_bytes: int = 2                      # bytes per borrowed-expert gradient element returned to its owner
+    main_grad_bytes: int = 4                 # main-grad buffers, accumulated and all-reduced in fp32 under bf16
+    #   (Megatron sets accumulate_allreduce_grads_in_fp32 with --bf16)
     optimizer_bytes_per_param: int = 12      # Adam: fp32 master + 2 moments
     distributed_optimizer: bool = False      # optimizer state and master weights sharded over the data-parallel
     #   group (dense params) / the expert data-parallel group (expert params), as Megatron's distributed optimizer

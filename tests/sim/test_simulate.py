@@ -128,7 +128,7 @@ def test_replicated_plan_all_reduces_over_dcs():
     w = workload(8)
     r = simulate(topo, w, Plan.replicated((4, 2), 8, ("dc", "gpu")))
     k = 4
-    grad = (8 // 2) * w.expert_params * w.grad_bytes * w.num_moe_layers
+    grad = (8 // 2) * w.expert_params * w.main_grad_bytes * w.num_moe_layers  # fp32 main grads
     B = 10e9 / 8 / 2   # two GPUs of a DC share its uplink, one ring each
     assert r.phases["expert_grad_allreduce"] == pytest.approx(2 * (k - 1) / k * grad / B)
     assert r.phases["expert_allgather"] == 0 and r.traffic["dc"] > 0
