@@ -290,9 +290,9 @@ class CostModel:
                 dom = domain_family(lay, S_world)
                 ag = net.ring(dom, (S - 1) * own * w.expert_wire_bytes, S - 1)
                 if w.grad_compression_ratio > 1:  # top-k payloads by all_to_all in the domain
-                    rs = net.a2a(dom, own * w.grad_wire_bytes)
+                    rs = net.a2a(dom, own * w.returned_grad_bytes(mode))
                 else:
-                    rs = net.ring(dom, (S - 1) * own * w.grad_wire_bytes, S - 1)
+                    rs = net.ring(dom, (S - 1) * own * w.returned_grad_bytes(mode), S - 1)
                 if w.shared_sync_bytes:  # the shared expert is the mean over the whole EP group
                     ep_group = domain_family(lay, lay.extent)
                     shared = net.ring(ep_group, 2 * (G - 1) / G * w.shared_sync_bytes, 2 * (G - 1))

@@ -172,6 +172,16 @@ class Workload:
             return float(self.compressed_grad_bytes)
         return float(codec_payload_bytes(self.expert_params, self.grad_compression_ratio, self.grad_bytes))
 
+    def returned_grad_bytes(self, mode: str) -> float:
+        """Bytes to return one borrowed expert's gradient in a borrowed-copies mode: "microbatch"
+        returns the copy's gradient as computed (``grad_wire_bytes``); "iteration" returns the
+        accumulator, kept at main-grad precision (``main_grad_bytes``), through the same codec."""
+        if mode != "iteration" or self.main_grad_bytes == self.grad_bytes:
+            return self.grad_wire_bytes
+        if self.compressed_grad_bytes is not None:
+            return float(self.compressed_grad_bytes) * self.main_grad_bytes / self.grad_bytes
+        return float(codec_payload_bytes(self.expert_params, self.grad_compression_ratio, self.main_grad_bytes))
+
     @property
     def shared_sync_bytes(self) -> float:
         """Bytes per MoE layer per iteration all-reduced over the EP group to refresh the shared expert

@@ -108,10 +108,11 @@ def _local(fam: Family, outer: int) -> Family:
     return Family(fam.sizes[outer:], fam.strides[outer:])
 
 
-def ep_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLayout
+def ep_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLayout, mode: str = "microbatch"
                    ) -> tuple[list[Collective], list[LayerWork], dict[str, str | None]]:
     """Collectives inside one EP group (levels ``lay.outer``.. of the world), the per-layer work and
-    the names ``build_program`` takes (gather, grad_return, shared_sync, replicas, replica_grad)."""
+    the names ``build_program`` takes (gather, grad_return, shared_sync, replicas, replica_grad);
+    ``mode``: the borrowed-copies mode (what the gradient return carries)."""
     w, G, E = workload, plan.ep_size, plan.num_experts
     o = lay.outer
     S_world = world_domain_sizes(lay, plan.domain_sizes)
@@ -147,9 +148,9 @@ def ep_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLa
         dom = _local(domain_family(lay, S_world), o)
         colls.append(Collective("gather", RING, dom, (S - 1) * own * w.expert_wire_bytes, S - 1))
         if w.grad_compression_ratio > 1:  # top-k payloads by all_to_all_single in the domain
-            colls.append(Collective("grad_return", A2A, dom, own * w.grad_wire_bytes, 1))
+            colls.append(Collective("grad_return", A2A, dom, own * w.returned_grad_bytes(mode), 1))
         else:                               # reduce_scatter: a ring
-            colls.append(Collective("grad_return", RING, dom, (S - 1) * own * w.grad_wire_bytes, S - 1))
+            colls.append(Collective("grad_return", RING, dom, (S - 1) * own * w.returned_grad_bytes(mode), S - 1))
         names.update(gather="gather", grad_return="grad_return")
     if names["gather"] is not None and w.shared_sync_bytes:  # refreshed by DomainGather.start(): domains of S > 1
         group = _local(domain_family(lay, lay.extent), o)
@@ -279,7 +280,7 @@ def simulate(topology: Topology, workload: Workload, plan: Plan | None = None, *
     if options.gather not in ("iteration", "microbatch"):  # the mode tier b prices for this plan
         options = dataclasses.replace(options, gather=model.borrowed_copies(plan)[0])
     lay = check_plan(topology, workload, plan)
-    colls, layers, names = ep_collectives(topology, workload, plan, lay)
+    colls, layers, names = ep_collectives(topology, workload, plan, lay, options.gather or "microbatch")
     present = {c.name for c in colls if not c.empty}
     program = build_program(layers, workload.micro_batches, **names, options=options, present=present)
     stats = EngineStats()

@@ -301,7 +301,10 @@ def test_auto_mode_keeps_copies_when_they_fit_and_regathers_when_not():
     slow = CostModel(topo, w, memory_limit_bytes=between).evaluate(plan)
     fast = CostModel(topo, w, memory_limit_bytes=it.total).evaluate(plan)
     assert slow.borrowed_copies == "microbatch" and slow.phases["grad_return"] == pytest.approx(
-        8 * fast.phases["grad_return"])
+        8 * w.num_moe_layers * slow.raw["grad_return"])
+    assert fast.phases["grad_return"] == pytest.approx(w.num_moe_layers * fast.raw["grad_return"])
+    # once per iteration the return carries the fp32 accumulator, per micro-batch the bf16 gradient
+    assert fast.levels[0].seconds["grad_return"] == pytest.approx(2 * slow.levels[0].seconds["grad_return"] / 8)
     assert CostModel(topo, w.replace(borrowed_copies="microbatch")).borrowed_copies(plan)[0] == "microbatch"
 
 
