@@ -119,15 +119,15 @@ def choose_plan(topology: Topology, workload: Workload, ep_size: int | None = No
     for plan in plans:
         c = evaluate_plan(ours, plan) if cost == "ours" else model.evaluate(plan)
         mem = c.memory if c.memory is not None else ours.memory(plan, layout)
-        fits = not check_memory or limit is None or mem.total <= limit
+        fits = limit is None or mem.total <= limit
         if c.memory is None:
             c = dataclasses.replace(c, memory=mem)
         plan = dataclasses.replace(plan, predicted=c.predicted(), link_bytes=c.link_bytes())
         cands.append(Candidate(plan, c, fits))
     # cheapest first; ties go to less memory, then smaller domains (fewer borrowed experts)
-    cands.sort(key=lambda c: (not c.fits_memory, c.cost.total, c.cost.memory.total if c.cost.memory else 0,
-                              c.plan.domain_size, c.plan.kind))
-    if not cands[0].fits_memory:
+    cands.sort(key=lambda c: (check_memory and not c.fits_memory, c.cost.total,
+                              c.cost.memory.total if c.cost.memory else 0, c.plan.domain_size, c.plan.kind))
+    if check_memory and not cands[0].fits_memory:
         least = min(cands, key=lambda c: c.cost.memory.total if c.cost.memory else 0)
         m = least.cost.memory
         assert m is not None and limit is not None

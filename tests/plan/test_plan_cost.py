@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import numpy as np
 import pytest
@@ -357,3 +358,39 @@ def test_plan_must_match_topology_and_model():
     with pytest.raises(PlanError, match="plan.num_experts: 16"):
         model.evaluate(Plan.grid((2, 8), (1, 1), 16))
     assert math.isfinite(model.evaluate(Plan.grid((2, 8), (1, 1), 32)).total)
+
+
+def test_resolve_borrowed_copies_says_why_in_one_line():
+    from megatron_hybridep.plan.cost import resolve_borrowed_copies
+
+    topo = Topology.from_yaml(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "configs", "topologies", "2dc_x_8.yaml"))
+    w = workload(num_experts=32, micro_batches=8)
+    plan = Plan.grid((2, 8), (2, 1), 32)
+    mode, why = resolve_borrowed_copies(topo, w, plan)
+    assert mode == "iteration" and why.startswith("held borrowed copies need ") and why.endswith(
+        "limit 80 GB: iteration") and "\n" not in why
+    mode, why = resolve_borrowed_copies(topo, w, plan, memory_limit_bytes=1e6)
+    assert mode == "microbatch" and why.endswith("limit 1 MB: microbatch")
+    assert resolve_borrowed_copies(topo, w.replace(borrowed_copies="microbatch"), plan) == (
+        "microbatch", "borrowed_copies=microbatch (forced)")
+    assert resolve_borrowed_copies(topo, w, Plan.grid((2, 8), (1, 1), 32))[1] == "no borrowed experts"
+
+
+def test_pipeline_stage_is_a_contiguous_block_of_ranks():
+    topo = Topology((Level("dc", 8, 10.0, 100.0, 10.0, (LinkOverride(0, 1, 1.0, 5.0), LinkOverride(2, 5, 1.0, 5.0))),
+                     Level("gpu", 8, 100.0)), memory_gb_per_gpu=80)
+    stage = topo.pipeline_stage(4)
+    assert stage.level_counts == (2, 8) and stage.memory_gb_per_gpu == 80
+    assert stage.levels[0].overrides == (LinkOverride(0, 1, 1.0, 5.0),)  # only the first stage's pairs
+    assert topo.pipeline_stage(1) is topo and topo.pipeline_stage(16).level_counts == (1, 4)
+    with pytest.raises(PlanError, match="pipeline_model_parallel_size: 3 does not divide"):
+        topo.pipeline_stage(3)
+    w = workload(num_experts=16, num_moe_layers=8, pipeline_model_parallel_size=4)
+    model = CostModel(topo, w)
+    assert model.topology == stage and w.stage_moe_layers == 2
+    one = CostModel(stage, w.replace(pipeline_model_parallel_size=1, num_moe_layers=2, dense_params=0))
+    plan = Plan.grid((2, 8), (2, 1), 16)
+    a, b = model.evaluate(plan), one.evaluate(plan)
+    for ph in ("token_a2a_fwd", "expert_allgather", "grad_return", "expert_compute"):
+        assert a.phases[ph] == pytest.approx(b.phases[ph]), ph  # a stage's layers on a stage's ranks
