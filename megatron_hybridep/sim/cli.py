@@ -211,7 +211,12 @@ def run_single(args: argparse.Namespace) -> int:
 def report(topo: Topology, work: Workload, res: SimResult, how: str, options: SimOptions,
            tierb: dict[str, float], tierb_total: float, took: float, timeline: int) -> str:
     lay = topo.ep_layout(res.plan.ep_size)
-    sched = (f"{options.schedule}, gather every {'micro-batch' if options.gather == 'micro-batch' else 'iteration'}"
+    from megatron_hybridep.plan.cost import CostModel
+
+    mode = (options.gather if options.gather in ("iteration", "microbatch")
+            else CostModel(topo, work).borrowed_copies(res.plan)[0])
+    every = "micro-batch" if mode == "microbatch" else "iteration"
+    sched = (f"{options.schedule}, borrowed copies gathered every {every}"
              f", {'forward + backward' if options.backward else 'forward only'}")
     lines = [
         f"topology  {topo.name or topo.source}: {topo.describe()}; EP group {lay.ep_size} = "
