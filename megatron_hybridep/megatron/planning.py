@@ -68,7 +68,8 @@ def workload_for(args: argparse.Namespace) -> Workload:
         import torch
 
         tflops = 300.0 if torch.cuda.is_available() else 0.05
-    w = workload_from_settings({**vars(args), "hybridep_throughput_tflops": tflops}, "from arguments")
+    w = workload_from_settings({**vars(args), "hybridep_throughput_tflops": tflops}, "from arguments",
+                               getattr(args, "data_parallel_size", None) or 0)
     return w.replace(compression_ratio=args.hybridep_compression_ratio,
                      grad_compression_ratio=args.hybridep_grad_compression_ratio,
                      borrowed_copies=getattr(args, "hybridep_borrowed_copies", None) or "auto")

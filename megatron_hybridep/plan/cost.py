@@ -219,7 +219,7 @@ class CostModel:
         group = plan.ep_size if plan.kind == "domains" else plan.rail_size
         edp = max(1, self.dp // group)  # expert data-parallel replicas of one expert
         opt = w.optimizer_bytes_per_param
-        if mode == "iteration":  # accumulated over the iteration: own and borrowed experts
+        if mode == "iteration" and w.micro_batches > 1:  # accumulated over the iteration (borrowed.py)
             held_grads = S * owned * P * w.main_grad_bytes if S > 1 else 0.0
         else:  # one layer's borrowed gradients on their way back
             held_grads = borrowed * P / w.stage_moe_layers * w.grad_bytes

@@ -66,20 +66,24 @@ class Layout:
         return f"EP {self.ep} x PP {self.pp} x TP {self.tp}, DP {self.dp}"
 
 
-def workload_from_settings(s: Mapping[str, Any], name: str = "preset") -> Workload:
-    """The Workload of a preset's model and layout (bf16/fp16 -> 2-byte params, fp32 main grads)."""
+def workload_from_settings(s: Mapping[str, Any], name: str = "preset", data_parallel_size: int = 0) -> Workload:
+    """The Workload of a preset's model and layout (bf16/fp16 -> 2-byte params, fp32 main grads);
+    micro-batches per iteration = global_batch_size / (micro_batch_size x ``data_parallel_size``)
+    when both are known, else 1."""
     try:
         layers = int(s["num_layers"])
         half = bool(s.get("bf16") or s.get("fp16"))
         expert_ffn = int(s.get("moe_ffn_hidden_size") or s["ffn_hidden_size"])
         shared = s.get("moe_shared_expert_intermediate_size")
+        mbs, gbs = int(s.get("micro_batch_size") or 1), int(s.get("global_batch_size") or 0)
+        m = max(1, gbs // (mbs * data_parallel_size)) if gbs and data_parallel_size else 1
         return Workload(
             hidden_size=int(s["hidden_size"]), ffn_hidden_size=expert_ffn, num_experts=int(s["num_experts"]),
             top_k=int(s.get("moe_router_topk", 2)), num_layers=layers,
             num_moe_layers=moe_layer_count(layers, s.get("moe_layer_freq")),
             dense_ffn_hidden_size=int(s["ffn_hidden_size"]), shared_experts=math.ceil(int(shared) / expert_ffn)
             if shared else 0, gated_mlp=bool(s.get("swiglu")), seq_length=int(s["seq_length"]),
-            micro_batch_size=int(s.get("micro_batch_size", 1)), activation_bytes=2 if half else 4,
+            micro_batch_size=mbs, micro_batches=m, activation_bytes=2 if half else 4,
             weight_bytes=2 if half else 4, grad_bytes=2 if half else 4, main_grad_bytes=4,
             distributed_optimizer=bool(s.get("use_distributed_optimizer")),
             tensor_model_parallel_size=int(s.get("tensor_model_parallel_size") or 1),
@@ -104,5 +108,5 @@ def fit(s: Mapping[str, Any], topology: Topology, name: str = "preset") -> tuple
     """The preset's layout and the planner's result on ``topology`` with the memory check on (raises
     PlanError naming the shortfall when no plan fits)."""
     lay = layout(s, topology)
-    work = workload_from_settings(s, name)
+    work = workload_from_settings(s, name, lay.dp)
     return lay, choose_plan(topology, work, lay.ep, include_replicated=False)

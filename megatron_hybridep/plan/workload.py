@@ -175,8 +175,9 @@ class Workload:
     def returned_grad_bytes(self, mode: str) -> float:
         """Bytes to return one borrowed expert's gradient in a borrowed-copies mode: "microbatch"
         returns the copy's gradient as computed (``grad_wire_bytes``); "iteration" returns the
-        accumulator, kept at main-grad precision (``main_grad_bytes``), through the same codec."""
-        if mode != "iteration" or self.main_grad_bytes == self.grad_bytes:
+        accumulator over the micro-batches, kept at main-grad precision (``main_grad_bytes``; runtime
+        borrowed.py), through the same codec (one micro-batch: nothing accumulates)."""
+        if mode != "iteration" or self.micro_batches == 1 or self.main_grad_bytes == self.grad_bytes:
             return self.grad_wire_bytes
         if self.compressed_grad_bytes is not None:
             return float(self.compressed_grad_bytes) * self.main_grad_bytes / self.grad_bytes

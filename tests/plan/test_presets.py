@@ -69,8 +69,8 @@ def test_deepseek_preset_did_not_fit_the_paper_testbed_and_fits_its_own():
 
 def test_memory_counts_weights_copies_grads_optimizer_and_dense_with_their_sharding():
     settings = load_settings(os.path.join(REPO, "configs", "presets", "deepseek_v3_like.yaml"))
-    w = workload_from_settings(settings)
-    assert (w.num_moe_layers, w.stage_moe_layers, w.shared_experts) == (58, 15, 1)
+    w = workload_from_settings(settings, data_parallel_size=128)
+    assert (w.num_moe_layers, w.stage_moe_layers, w.shared_experts, w.micro_batches) == (58, 15, 1, 16)
     topo = _paired(settings)
     model = CostModel(topo, w)
     assert model.topology.world_size == 128 and model.dp == 128  # one stage of 2 DCs
