@@ -59,19 +59,20 @@ def topology_for(args: argparse.Namespace, world_size: int) -> Topology:
 
 
 def workload_for(args: argparse.Namespace) -> Workload:
-    bytes_per = 2 if (args.bf16 or args.fp16) else 4
+    """The planner's Workload from the parsed flags (plan/presets.py maps flag names: MoE layers from
+    --moe-layer-freq, dtypes, distributed optimizer, TP, PP)."""
+    from megatron_hybridep.plan.presets import workload_from_settings
+
     tflops = args.hybridep_throughput_tflops
     if tflops is None:
         import torch
 
         tflops = 300.0 if torch.cuda.is_available() else 0.05
-    return Workload(
-        hidden_size=args.hidden_size, ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
-        num_experts=args.num_experts, top_k=args.moe_router_topk, num_moe_layers=args.num_layers,
-        num_layers=args.num_layers, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        gated_mlp=bool(args.swiglu), activation_bytes=bytes_per, weight_bytes=bytes_per, grad_bytes=bytes_per,
-        throughput_tflops=tflops, compression_ratio=args.hybridep_compression_ratio,
-        grad_compression_ratio=args.hybridep_grad_compression_ratio, name="from arguments")
+    w = workload_from_settings({**vars(args), "hybridep_throughput_tflops": tflops}, "from arguments",
+                               getattr(args, "data_parallel_size", None) or 0)
+    return w.replace(compression_ratio=args.hybridep_compression_ratio,
+                     grad_compression_ratio=args.hybridep_grad_compression_ratio,
+                     borrowed_copies=getattr(args, "hybridep_borrowed_copies", None) or "auto")
 
 
 def migration_from_args(args: argparse.Namespace) -> MigrationConfig:

@@ -17,7 +17,7 @@ from megatron_hybridep.plan.planner import (
     choose_plan_all_ep_sizes,
 )
 from megatron_hybridep.plan.topology import Topology
-from megatron_hybridep.plan.workload import Workload, load_routing_counts, zipf_routing
+from megatron_hybridep.plan.workload import BORROWED_COPIES, Workload, load_routing_counts, zipf_routing
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +49,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--t-pre-ms", type=float, metavar="MS",
                       help="measured compute before the experts per MoE layer (forward), instead of the estimate")
     what.add_argument("--throughput-tflops", type=float, metavar="TF", help="achieved TFLOP/s per rank")
+    what.add_argument("--borrowed-copies", choices=BORROWED_COPIES, metavar="MODE",
+                      help="auto (default): keep borrowed expert copies for the iteration when they fit the "
+                           "memory, else re-gather per micro-batch; iteration / microbatch force one (the "
+                           "runtime's --hybridep-borrowed-copies)")
+    what.add_argument("--pipeline-model-parallel-size", type=int, metavar="PP",
+                      help="pipeline stages: a stage holds 1/PP of the layers and world/PP ranks")
+    what.add_argument("--tensor-model-parallel-size", type=int, metavar="TP",
+                      help="tensor parallelism: divides dense and expert parameters")
+    what.add_argument("--distributed-optimizer", action="store_true", default=None,
+                      help="shard optimizer state over the (expert) data-parallel group (Megatron's)")
     what.add_argument("--routing-counts", metavar="FILE",
                       help="tokens from each EP rank to each expert (.npy or .csv, shape (ep_size, experts))")
     what.add_argument("--skew", type=float, metavar="ALPHA",
@@ -62,7 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "paper: the paper's stream model exactly (forward only)")
     how.add_argument("--no-replicated", action="store_true", help="leave out the replicated-experts plan")
     how.add_argument("--memory-limit-gb", type=float, metavar="GB",
-                     help="skip plans whose expert memory per rank exceeds this")
+                     help="refuse plans whose memory per rank (weights, held copies, gradients, optimizer "
+                          "state) exceeds this (default: the topology's memory_gb_per_gpu)")
+    how.add_argument("--no-memory-check", action="store_true",
+                     help="cost plans that do not fit the memory too (marked '-') instead of refusing them")
     how.add_argument("--replica-budget", type=int, metavar="N",
                      help="hot-expert replicas a rank may hold per MoE layer, considered under skewed routing "
                           "(default: the experts a rank owns; 0: none)")
@@ -92,7 +105,10 @@ def _workload(args: argparse.Namespace, ep_size: int | None, topology: Topology)
                       ("grad_compression_ratio", "grad_compression_ratio"),
                       ("expert_bytes", "compressed_expert_bytes"), ("t_pre_ms", "t_pre_ms"),
                       ("shared_sync_bytes", "shared_sync_bytes_per_layer"),
-                      ("throughput_tflops", "throughput_tflops")):
+                      ("throughput_tflops", "throughput_tflops"), ("borrowed_copies", "borrowed_copies"),
+                      ("pipeline_model_parallel_size", "pipeline_model_parallel_size"),
+                      ("tensor_model_parallel_size", "tensor_model_parallel_size"),
+                      ("distributed_optimizer", "distributed_optimizer")):
         if getattr(args, flag) is not None:
             changes[fld] = getattr(args, flag)
     if args.routing_counts and args.skew is not None:
@@ -124,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         workload = _workload(args, ep if isinstance(ep, int) else None, topology)
         limit = args.memory_limit_gb * 1e9 if args.memory_limit_gb is not None else None
         kw = dict(cost=args.cost, include_replicated=not args.no_replicated, memory_limit_bytes=limit,
-                  replica_budget=args.replica_budget)
+                  replica_budget=args.replica_budget, check_memory=not args.no_memory_check)
         if ep == "all":
             results = choose_plan_all_ep_sizes(topology, workload, **kw)
         else:
@@ -176,10 +192,18 @@ def explain(r: PlanningResult) -> str:
                  f"{bytes_human(w.expert_wire_bytes)} per shipped expert; T_pre {seconds_human(w.t_pre)} hides "
                  "expert gathers; slowest link " + min((lv for lv in r.topology.levels),
                                                         key=lambda lv: lv.bandwidth_gbps).name)
-    if chosen.cost.memory is not None:
-        lines.append(f"  memory: {bytes_human(chosen.cost.memory.borrowed_weights)} of borrowed expert copies "
-                     f"per rank ({bytes_human(chosen.cost.memory.total)} expert memory in all)")
-    lines += [f"  note: {n}" for n in chosen.cost.notes]
+    if chosen.plan.kind == "domains" and chosen.plan.domain_size > 1:
+        lines.append(f"  borrowed copies: {chosen.cost.borrowed_copies} ({chosen.cost.borrowed_reason}); gathered "
+                     + ("once per iteration, gradients returned once" if chosen.cost.borrowed_copies == "iteration"
+                        else f"and returned in each of the {w.micro_batches} micro-batches"))
+    m = chosen.cost.memory
+    if m is not None:
+        limit = r.topology.memory_bytes
+        lines.append(f"  memory per rank: {bytes_human(m.total)}" + (f" of {bytes_human(limit)}" if limit else "")
+                     + f": expert weights {bytes_human(m.owned_weights)}, held copies {bytes_human(m.borrowed_weights)}"
+                     f", expert grads {bytes_human(m.grads + m.borrowed_grads)}, expert optimizer "
+                     f"{bytes_human(m.optimizer_state)}, dense {bytes_human(m.dense_total)} (activations not counted)")
+    lines += [f"  note: {n}" for n in chosen.cost.notes if not n.startswith("borrowed copies:")]
     if chosen.plan.replicas:
         from megatron_hybridep.plan.cost import CostModel
         from megatron_hybridep.plan.hot import explain as explain_replicas
@@ -202,6 +226,9 @@ def header(r: PlanningResult) -> str:
         f"topology  {t.name or t.source}: {t.describe()}",
         f"model     {w.name or 'model'}: {w.num_experts} experts, top-{w.top_k}, {w.num_moe_layers} MoE layers, "
         f"{w.tokens} tokens/rank/micro-batch x {w.micro_batches} micro-batch(es), {skew} routing",
+        f"layout    TP {w.tensor_model_parallel_size} x PP {w.pipeline_model_parallel_size}, "
+        f"{w.model_dense_params / 1e6:.4g}M dense params, borrowed copies {w.borrowed_copies}, memory limit "
+        + (f"{bytes_human(t.memory_bytes)} per rank" if t.memory_bytes else "none stated"),
         f"traffic   D = {bytes_human(w.dispatch_bytes)} per all-to-all per rank; expert "
         f"{bytes_human(w.expert_bytes)}{comp}; T_pre = {seconds_human(w.t_pre)} per MoE layer",
         "cost      " + ("ours: forward+backward, alpha-beta links, uplink contention; exposed time per iteration"
@@ -215,12 +242,13 @@ def _row(r: PlanningResult, c: Candidate, wan: str) -> list[str]:
     mem = c.cost.memory.total if c.cost.memory else 0.0
     lv = next((x for x in c.cost.levels if x.name == wan), None)
     mark = "*" if c.plan == r.best else ("-" if not c.fits_memory else "")
-    return [mark, c.plan.label, f"{c.plan.domain_size} x {c.plan.rail_size}", seconds_human(c.cost.total),
+    copies = c.cost.borrowed_copies if c.plan.kind == "domains" and c.plan.domain_size > 1 else "-"
+    return [mark, c.plan.label, f"{c.plan.domain_size} x {c.plan.rail_size}", copies, seconds_human(c.cost.total),
             f"{r.speedup(c):.2f}x", seconds_human(ph.get("pre_compute", 0) + ph.get("expert_compute", 0)),
             seconds_human(ph.get("token_a2a_fwd", 0) + ph.get("token_a2a_bwd", 0)),
             seconds_human(ph.get("expert_allgather", 0) + ph.get("shared_sync", 0) + ph.get("replica_weights", 0)),
             seconds_human(ph.get("grad_return", 0) + ph.get("replica_grad_return", 0)),
-            seconds_human(ph.get("expert_grad_allreduce", 0)),
+            seconds_human(ph.get("expert_grad_allreduce", 0)), seconds_human(ph.get("dense_grad_allreduce", 0)),
             bytes_human(lv.uplink_bytes) if lv and r.cost_model == "ours" else "-",
             bytes_human(mem)]
 
@@ -228,8 +256,8 @@ def _row(r: PlanningResult, c: Candidate, wan: str) -> list[str]:
 def table(r: PlanningResult, top: int | None = None) -> str:
     lay = r.layout
     wan = r.topology.levels[0].name
-    heads = ["", "plan", "domain x rail", "total", "vs EP", "compute", "token a2a", "gather*", "grad ret*",
-             "allreduce*", f"{wan} uplink", "expert mem"]
+    heads = ["", "plan", "domain x rail", "copies", "total", "vs EP", "compute", "token a2a", "gather*", "grad ret*",
+             "allreduce*", "dense ar*", f"{wan} uplink", "memory"]
     cands = r.candidates[:top] if top else r.candidates
     rows = [heads] + [_row(r, c, wan) for c in cands]
     widths = [max(len(row[i]) for row in rows) for i in range(len(heads))]
@@ -254,7 +282,9 @@ def table(r: PlanningResult, top: int | None = None) -> str:
                   f"of {p.rail_size} (token all-to-all)")
     out.append(f"* chosen: {p.label}: {groups}; {r.speedup(chosen):.2f}x vs plain EP")
     out.append("  exposed times per iteration; '*' columns are the part not hidden behind compute; "
-               f"{wan} uplink = bytes through the busiest {wan} uplink per iteration")
+               f"{wan} uplink = bytes through the busiest {wan} uplink per iteration;\n"
+               "  copies = when borrowed experts are gathered and their gradients returned (iteration: once, "
+               "microbatch: every micro-batch); memory = per rank; '-' = does not fit it")
     paper = ", ".join(f"{lv.name}: G={lv.G} p*={lv.p_star:.2f} -> S={lv.s} [{lv.case}]" for lv in r.paper.levels)
     out.append(f"paper model (tier a): {paper}")
     return "\n".join(out)

@@ -8,23 +8,35 @@ Beyond the paper's stream model (paper_model.py) it counts, per MoE layer and mi
 - the expert all-gather in the domain (compressed bytes incl. indices), hidden where it fits
   behind what runs between its start and its use: layer 0's (started after the optimizer step)
   behind T_pre + the dispatch, layer l+1's (started after layer l's experts) behind layer l's
-  combine + T_pre + the dispatch, and in micro-batches after the first layer 0's (started at its
-  MoE block) behind the dispatch alone. All-to-alls count as cover only when they use no link
-  level the gather uses (else they share bandwidth: the simulator resolves that, not this);
-- the gradient return of borrowed experts to their owners, blocking, in every micro-batch's
-  backward (runtime/migration.py: a reduce-scatter ring, or an all-to-all of top-k payloads when
-  gradients are compressed);
+  combine + T_pre + the dispatch. All-to-alls count as cover only when they use no link level the
+  gather uses (else they share bandwidth: the simulator resolves that, not this);
+- the gradient return of borrowed experts to their owners, blocking, in the backward
+  (runtime/migration.py: a reduce-scatter ring, or an all-to-all of top-k payloads when gradients
+  are compressed);
+- how often those two run is the borrowed-copies mode (``Workload.borrowed_copies``, the runtime's
+  --hybridep-borrowed-copies): "iteration" gathers in the first micro-batch only, keeps the copies
+  for the iteration and returns the accumulated gradients once, in the last micro-batch's backward;
+  "microbatch" gathers and returns in every micro-batch (later micro-batches start layer 0's gather
+  at its MoE block: hidden behind the dispatch alone); "auto" is iteration when the memory it holds
+  fits the memory limit (:func:`resolve_borrowed_copies`), else microbatch;
 - domains with S > 1 and a refreshed shared expert: one all-reduce per layer over the EP group
   (amortised per step), blocking, before that layer's first gather of the step;
-- once per iteration after the backward: one all-reduce of all expert gradients over the expert
-  data-parallel replicas (Megatron's finalize_model_grads; DDP is built with
-  overlap_grad_reduce=False, so it is exposed);
+- once per iteration after the backward (Megatron's finalize_model_grads, DDP built with
+  overlap_grad_reduce=False, so exposed): the dense-parameter gradient all-reduce over the
+  data-parallel group (``dense_grad_allreduce``, a ring on the links it crosses; every plan pays it
+  alike, but it is real time on a slow WAN and the scheduler's calibration needs it apart from
+  compute), then one all-reduce of all expert gradients over the expert data-parallel replicas;
 - for the replicated plan (EP inside each DC, experts in every DC): no gathers, that all-reduce
   over all DCs, and the memory of full expert replicas with their optimizer state.
+With pipeline parallelism the model prices one stage (its MoE layers, its ranks: EP groups and
+data-parallel groups live inside a stage); pipeline bubbles and activation sends are not priced.
 This is the closed form of the simulator's ``runtime`` schedule (sim/schedule.py).
 
-Costs that every candidate pays alike (dense-parameter gradient all-reduce, the optimizer step) are
-left out: they do not change the choice.
+Memory per rank (:meth:`CostModel.memory`): expert weights, held borrowed copies, gradients (main
+grads at ``main_grad_bytes``), optimizer state (master weights + Adam moments, divided over the
+(expert) data-parallel group under the distributed optimizer), and the same for the dense
+parameters divided by TP x PP. Activations are not counted. The optimizer step is left out of the
+time: every candidate pays it alike.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ import numpy as np
 
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.network import (
+    Family,
     Network,
     PhaseCost,
     dc_replica_family,
@@ -50,7 +63,7 @@ from megatron_hybridep.plan.workload import Workload
 
 # exposed-time phases, in the order they are reported; they sum to the total
 PHASES = ("pre_compute", "expert_compute", "token_a2a_fwd", "token_a2a_bwd", "expert_allgather",
-          "grad_return", "shared_sync", "expert_grad_allreduce")
+          "grad_return", "shared_sync", "dense_grad_allreduce", "expert_grad_allreduce")
 
 
 @dataclass(frozen=True)
@@ -65,24 +78,40 @@ class LevelBreakdown:
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Expert-related bytes per rank over all MoE layers."""
+    """Bytes per rank (one pipeline stage's layers): expert parameters first, then dense ones."""
 
     owned_weights: float
-    borrowed_weights: float
-    grads: float
-    borrowed_grads: float
-    optimizer_state: float
+    borrowed_weights: float         # held borrowed copies (domains) or hot-expert replicas
+    grads: float                    # main grads of the owned experts
+    borrowed_grads: float           # iteration mode: the accumulator of S x own experts for the iteration;
+    #   microbatch mode: one layer's borrowed gradients before they return
+    optimizer_state: float          # of the owned experts (sharded over expert DP by the distributed optimizer)
     codec_state: float = 0.0        # error-feedback accumulators (fp32) of compressed gradient returns
+    dense_weights: float = 0.0
+    dense_grads: float = 0.0
+    dense_optimizer_state: float = 0.0
+    borrowed_copies: str = ""       # the mode these figures hold for
 
     @property
-    def total(self) -> float:
+    def expert_total(self) -> float:
         return (self.owned_weights + self.borrowed_weights + self.grads + self.borrowed_grads
                 + self.optimizer_state + self.codec_state)
 
-    def as_dict(self) -> dict[str, float]:
+    @property
+    def dense_total(self) -> float:
+        return self.dense_weights + self.dense_grads + self.dense_optimizer_state
+
+    @property
+    def total(self) -> float:
+        return self.expert_total + self.dense_total
+
+    def as_dict(self) -> dict[str, float | str]:
         return {"owned_weights": self.owned_weights, "borrowed_weights": self.borrowed_weights,
                 "grads": self.grads, "borrowed_grads": self.borrowed_grads,
-                "optimizer_state": self.optimizer_state, "codec_state": self.codec_state, "total": self.total}
+                "optimizer_state": self.optimizer_state, "codec_state": self.codec_state,
+                "dense_weights": self.dense_weights, "dense_grads": self.dense_grads,
+                "dense_optimizer_state": self.dense_optimizer_state, "expert_total": self.expert_total,
+                "total": self.total, "borrowed_copies": self.borrowed_copies}
 
 
 @dataclass(frozen=True)
@@ -95,6 +124,8 @@ class CostBreakdown:
     levels: tuple[LevelBreakdown, ...] = ()
     memory: MemoryBreakdown | None = None
     notes: tuple[str, ...] = field(default=())
+    borrowed_copies: str = "microbatch"     # the mode priced ("iteration" or "microbatch")
+    borrowed_reason: str = ""               # why (resolve_borrowed_copies)
 
     def link_bytes(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -110,19 +141,35 @@ class CostBreakdown:
         return {"model": self.model, "total": self.total, "phases": dict(self.phases), "raw": dict(self.raw),
                 "levels": [{"name": lv.name, "link_bytes": lv.link_bytes, "uplink_bytes": lv.uplink_bytes,
                             "seconds": dict(lv.seconds)} for lv in self.levels],
-                "memory": self.memory.as_dict() if self.memory else None, "notes": list(self.notes)}
+                "memory": self.memory.as_dict() if self.memory else None, "notes": list(self.notes),
+                "borrowed_copies": self.borrowed_copies, "borrowed_reason": self.borrowed_reason}
 
 
 class CostModel:
-    """Evaluates plans for one topology and workload (tier b)."""
+    """Evaluates plans for one topology and workload (tier b). With PP > 1 ``topology`` is one
+    pipeline stage of the given one (Topology.pipeline_stage). ``memory_limit_bytes``: the limit the
+    "auto" borrowed-copies mode checks against (default: the topology's memory_gb_per_gpu)."""
 
     name = "ours"
 
-    def __init__(self, topology: Topology, workload: Workload) -> None:
-        self.topology = topology
+    def __init__(self, topology: Topology, workload: Workload, memory_limit_bytes: float | None = None) -> None:
+        self.world = topology
+        self.topology = topology.pipeline_stage(workload.pipeline_model_parallel_size)
         self.workload = workload
-        self.network = Network(topology)
+        self.memory_limit_bytes = memory_limit_bytes if memory_limit_bytes is not None else topology.memory_bytes
+        self.network = Network(self.topology)
         self._layouts: dict[int, EPLayout] = {}
+        tp = workload.tensor_model_parallel_size
+        stage = self.topology.world_size
+        if stage % tp:
+            raise PlanError(f"tensor_model_parallel_size: {tp} does not divide the {stage} ranks of a pipeline "
+                            f"stage ({self.topology.describe()}); fix: use a divisor of it")
+        dp = stage // tp
+        if workload.data_parallel_size and workload.data_parallel_size != dp:
+            raise PlanError(f"data_parallel_size: {workload.data_parallel_size} but world {topology.world_size} / "
+                            f"(TP {tp} x PP {workload.pipeline_model_parallel_size}) = {dp}; fix: set it to {dp} "
+                            "or leave it out")
+        self.dp = dp
 
     def layout(self, ep_size: int) -> EPLayout:
         if ep_size not in self._layouts:
@@ -159,26 +206,75 @@ class CostModel:
             loads.append(float(np.bincount(dst, weights=c, minlength=G).max()))
         return phases, loads
 
-    def memory(self, plan: Plan, lay: EPLayout) -> MemoryBreakdown:
+    def memory(self, plan: Plan, lay: EPLayout | None = None, mode: str | None = None) -> MemoryBreakdown:
+        """Bytes per rank (module doc) with the borrowed copies held as ``mode`` does (default: the
+        mode this plan resolves to)."""
         w = self.workload
-        P = w.expert_params * w.num_moe_layers  # one expert's parameters over all MoE layers
+        mode = mode or self.borrowed_copies(plan)[0]
+        tp = w.tensor_model_parallel_size
+        P = w.expert_params / tp * w.stage_moe_layers  # one expert's parameters on this rank, over its layers
         owned = plan.experts_per_rank
-        borrowed = (plan.domain_size - 1) * owned if plan.kind == "domains" else 0
-        dp = lay.num_groups if plan.kind == "domains" else self.topology.level_counts[0]
-        opt_share = 1 / dp if w.distributed_optimizer else 1.0
+        S = plan.domain_size if plan.kind == "domains" else 1
+        borrowed = (S - 1) * owned
+        group = plan.ep_size if plan.kind == "domains" else plan.rail_size
+        edp = max(1, self.dp // group)  # expert data-parallel replicas of one expert
+        opt = w.optimizer_bytes_per_param
+        if mode == "iteration" and w.micro_batches > 1:  # accumulated over the iteration (borrowed.py)
+            held_grads = S * owned * P * w.main_grad_bytes if S > 1 else 0.0
+        else:  # one layer's borrowed gradients on their way back
+            held_grads = borrowed * P / w.stage_moe_layers * w.grad_bytes
+        dense = w.model_dense_params / (tp * w.pipeline_model_parallel_size)
         return MemoryBreakdown(owned_weights=owned * P * w.weight_bytes,
                                borrowed_weights=borrowed * P * w.weight_bytes,
-                               grads=owned * P * w.grad_bytes,
-                               borrowed_grads=borrowed * P * w.grad_bytes,
-                               optimizer_state=owned * P * w.optimizer_bytes_per_param * opt_share,
-                               codec_state=borrowed * P * 4 if w.grad_compression_ratio > 1 else 0.0)
+                               grads=owned * P * w.main_grad_bytes,
+                               borrowed_grads=held_grads,
+                               optimizer_state=owned * P * opt / (edp if w.distributed_optimizer else 1),
+                               codec_state=borrowed * P * 4 if w.grad_compression_ratio > 1 else 0.0,
+                               dense_weights=dense * w.weight_bytes, dense_grads=dense * w.main_grad_bytes,
+                               dense_optimizer_state=dense * opt / (self.dp if w.distributed_optimizer else 1),
+                               borrowed_copies=mode)
+
+    def borrowed_copies(self, plan: Plan) -> tuple[str, str]:
+        """(mode, reason) for this plan: the workload's mode, or for "auto" iteration when the memory
+        it holds fits the limit (module doc)."""
+        w = self.workload
+        if plan.kind != "domains" or plan.domain_size == 1:
+            mode = "iteration" if w.borrowed_copies == "auto" else w.borrowed_copies
+            return mode, "no borrowed experts"
+        if w.borrowed_copies != "auto":
+            return w.borrowed_copies, f"borrowed_copies={w.borrowed_copies} (forced)"
+        need = self.memory(plan, mode="iteration")
+        held = need.borrowed_weights + need.borrowed_grads
+        limit = self.memory_limit_bytes
+        if limit is None:
+            return "iteration", (f"held borrowed copies need {bytes_human(held)} per rank, no memory limit "
+                                 "stated: iteration")
+        mode = "iteration" if need.total <= limit else "microbatch"
+        return mode, (f"held borrowed copies need {bytes_human(held)} per rank ({bytes_human(need.total)} in all), "
+                      f"limit {bytes_human(limit)}: {mode}")
+
+    def dense_allreduce(self) -> PhaseCost:
+        """The dense gradients' all-reduce over the data-parallel group (ranks of a stage with the same
+        TP rank): a ring of the main-grad buffer, reduce-scatter + all-gather."""
+        w, n = self.workload, self.topology.level_counts
+        tp, k = w.tensor_model_parallel_size, self.dp
+        nbytes = w.model_dense_params / (tp * w.pipeline_model_parallel_size) * w.main_grad_bytes
+        if k == 1 or nbytes <= 0:
+            return PhaseCost.zero(self.network.L)
+        if n[-1] % tp:
+            raise PlanError(f"tensor_model_parallel_size: {tp} does not divide the {n[-1]} ranks of the innermost "
+                            f"level ({self.topology.describe()}); fix: keep TP groups inside one unit")
+        fam = Family(n[:-1] + (n[-1] // tp,), (1,) * (len(n) - 1) + (tp,))
+        return self.network.ring(fam, 2 * (k - 1) / k * nbytes, 2 * (k - 1))
 
     # ---- one plan ----------------------------------------------------------------------------------------
     def evaluate(self, plan: Plan) -> CostBreakdown:
         w, net = self.workload, self.network
         lay = self._layout_for(plan)
         G, S, E = plan.ep_size, plan.domain_size, plan.num_experts
-        Lm, m = w.num_moe_layers, w.micro_batches
+        Lm, m = w.stage_moe_layers, w.micro_batches
+        mode, why = self.borrowed_copies(plan)
+        mg = 1 if mode == "iteration" else m  # micro-batches that gather and return
         S_world = world_domain_sizes(lay, plan.domain_sizes)
         a2a_layers, loads = self.token_a2a(plan, lay)
         per_layer = Lm / len(a2a_layers)  # a single routing matrix stands for every MoE layer
@@ -194,9 +290,9 @@ class CostModel:
                 dom = domain_family(lay, S_world)
                 ag = net.ring(dom, (S - 1) * own * w.expert_wire_bytes, S - 1)
                 if w.grad_compression_ratio > 1:  # top-k payloads by all_to_all in the domain
-                    rs = net.a2a(dom, own * w.grad_wire_bytes)
+                    rs = net.a2a(dom, own * w.returned_grad_bytes(mode))
                 else:
-                    rs = net.ring(dom, (S - 1) * own * w.grad_wire_bytes, S - 1)
+                    rs = net.ring(dom, (S - 1) * own * w.returned_grad_bytes(mode), S - 1)
                 if w.shared_sync_bytes:  # the shared expert is the mean over the whole EP group
                     ep_group = domain_family(lay, lay.extent)
                     shared = net.ring(ep_group, 2 * (G - 1) / G * w.shared_sync_bytes, 2 * (G - 1))
@@ -204,7 +300,8 @@ class CostModel:
         else:
             own = E // plan.rail_size
             fam, k = dc_replica_family(self.topology), self.topology.level_counts[0]
-        grad_bytes = own * w.expert_params * w.grad_bytes * Lm  # one bucket: every MoE layer's expert grads
+        # one bucket: every MoE layer's expert main grads
+        grad_bytes = own * w.expert_params / w.tensor_model_parallel_size * w.main_grad_bytes * Lm
         allreduce = net.ring(fam, 2 * (k - 1) / k * grad_bytes, 2 * (k - 1)) if k > 1 else zero
 
         # overlap as the runtime schedules it (module doc): only the gathers hide
@@ -212,24 +309,26 @@ class CostModel:
                            for i, a in enumerate(ag.level_seconds))
         a2a = a2a_total / Lm if disjoint else 0.0  # one all-to-all (mean over layers)
         first, later, restart = (max(0.0, ag.seconds - cover) for cover in (t_pre + a2a, t_pre + 2 * a2a, a2a))
-        gathers = first + (Lm - 1) * later + (m - 1) * (restart + (Lm - 1) * later)
+        gathers = first + (Lm - 1) * later + (mg - 1) * (restart + (Lm - 1) * later)
+        dense = self.dense_allreduce()
         phases = {
             "pre_compute": 3 * t_pre * Lm * m,
             "expert_compute": 3 * expert_fwd * m,
             "token_a2a_fwd": 2 * a2a_total * m,
             "token_a2a_bwd": 2 * a2a_total * m,
             "expert_allgather": gathers,
-            "grad_return": Lm * m * rs.seconds,
+            "grad_return": Lm * mg * rs.seconds,
             "shared_sync": Lm * shared.seconds,
+            "dense_grad_allreduce": dense.seconds,
             "expert_grad_allreduce": allreduce.seconds,
         }
         raw = {"t_pre": t_pre, "expert_fwd": expert_fwd / Lm, "a2a": a2a_total / Lm,
                "expert_allgather": ag.seconds, "grad_return": rs.seconds, "shared_sync": shared.seconds,
-               "expert_grad_allreduce": allreduce.seconds}
+               "dense_grad_allreduce": dense.seconds, "expert_grad_allreduce": allreduce.seconds}
 
         occurrences = [("token_a2a", p, 4 * m * per_layer) for p in a2a_layers] + [
-            ("expert_allgather", ag, Lm * m), ("grad_return", rs, Lm * m), ("shared_sync", shared, Lm),
-            ("expert_grad_allreduce", allreduce, 1)]
+            ("expert_allgather", ag, Lm * mg), ("grad_return", rs, Lm * mg), ("shared_sync", shared, Lm),
+            ("dense_grad_allreduce", dense, 1), ("expert_grad_allreduce", allreduce, 1)]
         levels = []
         for lvl, lv in enumerate(self.topology.levels):
             secs: dict[str, float] = {}
@@ -243,8 +342,23 @@ class CostModel:
         notes = []
         if w.routing_counts is not None:
             notes.append("skewed routing from routing_counts")
-        return CostBreakdown("ours", sum(phases.values()), phases, raw, tuple(levels), self.memory(plan, lay),
-                             tuple(notes))
+        if plan.kind == "domains" and S > 1:
+            notes.append(f"borrowed copies: {why}")
+        return CostBreakdown("ours", sum(phases.values()), phases, raw, tuple(levels),
+                             self.memory(plan, lay, mode), tuple(notes), mode, why)
+
+
+def resolve_borrowed_copies(topology: Topology, workload: Workload, plan: Plan,
+                            memory_limit_bytes: float | None = None) -> tuple[str, str]:
+    """The borrowed-copies mode a job runs and a one-line reason, for start-up: ``workload``'s
+    ``borrowed_copies`` (the --hybridep-borrowed-copies flag) with "auto" resolved by the memory
+    check against ``memory_limit_bytes`` (default: the topology's memory_gb_per_gpu; none stated:
+    iteration). Pure: the same on every rank.
+
+    >>> mode, why = resolve_borrowed_copies(topo, work.replace(borrowed_copies="auto"), plan)
+    >>> why   # e.g. "held borrowed copies need 3.2 GB per rank (41 GB in all), limit 80 GB: iteration"
+    """
+    return CostModel(topology, workload, memory_limit_bytes).borrowed_copies(plan)
 
 
 def bytes_human(n: float) -> str:

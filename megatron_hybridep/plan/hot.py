@@ -103,9 +103,10 @@ def replica_prices(model: CostModel, base: Plan) -> ReplicaPrices | None:
     tok_pb, _, tok_level = _pair_prices(model, lay, ranks, compute)
     rep_pb, rep_lat, _ = _pair_prices(model, lay, owners, ranks)
     m = w.micro_batches
+    m_rep = 1 if model.borrowed_copies(base)[0] == "iteration" else m  # replicas follow the gather's rhythm
     token_seconds = 4 * m * w.token_bytes * tok_pb            # dispatch + combine, forward + backward
     ship = w.expert_bytes + w.expert_params * w.grad_bytes    # exact weights out, exact gradient back
-    replica_seconds = m * (ship * rep_pb + 2 * rep_lat)  # per-link view: hiding is left to evaluate()
+    replica_seconds = m_rep * (ship * rep_pb + 2 * rep_lat)  # per-link view: hiding is left to evaluate()
     return ReplicaPrices(loads, holds, token_seconds.reshape(G, E), replica_seconds.reshape(G, E),
                          tok_level.reshape(G, E))
 
@@ -115,7 +116,8 @@ def evaluate(model: CostModel, plan: Plan) -> CostBreakdown:
     """cost.py's breakdown, plus the replica exchange for plans with replicas. Token traffic and
     expert load already follow ``plan.compute_ranks()`` (replica-aware) when routing counts are
     given; balanced routing is spelled out as counts so they do. The exchange is exact, once per
-    micro-batch and layer: weights owner -> replica prefetched like the domain gather (hidden behind
+    micro-batch and layer (once per iteration when borrowed copies are kept for it: replicas start
+    with the gather, runtime start_gather): weights owner -> replica prefetched like the domain gather (hidden behind
     what T_pre has left after it), the gradient back blocking in the backward pass."""
     if not plan.replicas:
         return model.evaluate(plan)
@@ -129,7 +131,7 @@ def evaluate(model: CostModel, plan: Plan) -> CostBreakdown:
     ones = np.ones(len(experts))
     fwd = model.network.flows(lay, owners, dst, ones * w.expert_bytes)
     bwd = model.network.flows(lay, dst, owners, ones * w.expert_params * w.grad_bytes)
-    count = w.num_moe_layers * w.micro_batches
+    count = w.stage_moe_layers * (1 if c.borrowed_copies == "iteration" else w.micro_batches)  # gather's rhythm
     hide = max(0.0, w.t_pre - c.raw["expert_allgather"])  # prefetched like the gather, behind what T_pre has left
     phases = {**c.phases, "replica_weights": count * max(0.0, fwd.seconds - hide),
               "replica_grad_return": count * bwd.seconds}
@@ -141,7 +143,7 @@ def evaluate(model: CostModel, plan: Plan) -> CostBreakdown:
                           if p.level_seconds[i] > 0}}) for i, lv in enumerate(c.levels))
     memory = c.memory
     if memory is not None:
-        n = max(plan.replicas.per_rank().values()) * w.expert_params * w.num_moe_layers
+        n = max(plan.replicas.per_rank().values()) * w.expert_params * w.stage_moe_layers
         memory = dataclasses.replace(memory, borrowed_weights=memory.borrowed_weights + n * w.weight_bytes,
                                      borrowed_grads=memory.borrowed_grads + n * w.grad_bytes)
     notes = c.notes + (f"{len(plan.replicas)} hot-expert replicas: exact weights, exchanged per micro-batch",)

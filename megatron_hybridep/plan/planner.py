@@ -95,17 +95,22 @@ def with_hot_plans(model: CostModel, plans: list[Plan], replica_budget: int | No
 
 def choose_plan(topology: Topology, workload: Workload, ep_size: int | None = None, *, cost: str = "ours",
                 include_replicated: bool = True, memory_limit_bytes: float | None = None,
-                replica_budget: int | None = None) -> PlanningResult:
+                replica_budget: int | None = None, check_memory: bool = True) -> PlanningResult:
     """Plan one EP group: ``ep_size`` defaults to the largest that fits the levels and the experts.
-    ``replica_budget``: hot-expert replicas per rank (None: the experts a rank owns; 0: none)."""
+    Plans whose memory per rank (CostModel.memory) exceeds ``memory_limit_bytes`` (default: the
+    topology's memory_gb_per_gpu) are refused unless ``check_memory`` is False.
+    ``replica_budget``: hot-expert replicas per rank (None: the experts a rank owns; 0: none).
+    With PP > 1 the result's topology is one pipeline stage."""
     if cost not in COST_MODELS:
         raise PlanError(f"cost: unknown cost model {cost!r}; fix: use one of {', '.join(COST_MODELS)}")
+    limit = memory_limit_bytes if memory_limit_bytes is not None else topology.memory_bytes
+    ours = CostModel(topology, workload, limit)
+    stage = ours.topology
     if ep_size is None:
-        ep_size = topology.default_ep_size(workload.num_experts)
-    layout = topology.ep_layout(ep_size)
-    topology.check_experts(workload.num_experts, ep_size)
-    ours = CostModel(topology, workload)
-    paper = PaperModel(topology, workload)
+        ep_size = stage.default_ep_size(workload.num_experts)
+    layout = stage.ep_layout(ep_size)
+    stage.check_experts(workload.num_experts, ep_size)
+    paper = PaperModel(stage, workload)
     model = ours if cost == "ours" else paper
     plans = enumerate_plans(layout, workload.num_experts, include_replicated and cost == "ours")
     if cost == "ours":
@@ -114,26 +119,31 @@ def choose_plan(topology: Topology, workload: Workload, ep_size: int | None = No
     for plan in plans:
         c = evaluate_plan(ours, plan) if cost == "ours" else model.evaluate(plan)
         mem = c.memory if c.memory is not None else ours.memory(plan, layout)
-        fits = memory_limit_bytes is None or mem.total <= memory_limit_bytes
+        fits = limit is None or mem.total <= limit
         if c.memory is None:
             c = dataclasses.replace(c, memory=mem)
         plan = dataclasses.replace(plan, predicted=c.predicted(), link_bytes=c.link_bytes())
         cands.append(Candidate(plan, c, fits))
     # cheapest first; ties go to less memory, then smaller domains (fewer borrowed experts)
-    cands.sort(key=lambda c: (not c.fits_memory, c.cost.total, c.cost.memory.total if c.cost.memory else 0,
-                              c.plan.domain_size, c.plan.kind))
-    if not cands[0].fits_memory:
+    cands.sort(key=lambda c: (check_memory and not c.fits_memory, c.cost.total,
+                              c.cost.memory.total if c.cost.memory else 0, c.plan.domain_size, c.plan.kind))
+    if check_memory and not cands[0].fits_memory:
         least = min(cands, key=lambda c: c.cost.memory.total if c.cost.memory else 0)
-        need = least.cost.memory.total if least.cost.memory else 0
-        raise PlanError(f"memory_limit: no plan fits {memory_limit_bytes / 1e9:.3g} GB of expert memory per rank "
-                        f"(the smallest needs {need / 1e9:.3g} GB); fix: raise --memory-limit-gb, use a larger "
-                        "EP size or the distributed optimizer")
-    return PlanningResult(topology, workload, layout, cost, cands[0].plan, tuple(cands), paper.optimum(ep_size))
+        m = least.cost.memory
+        assert m is not None and limit is not None
+        where = ("--memory-limit-gb" if memory_limit_bytes is not None
+                 else f"{topology.source}.memory_gb_per_gpu")
+        raise PlanError(f"memory_limit: no plan fits {limit / 1e9:.3g} GB per rank ({where}); the smallest, "
+                        f"{least.plan.label}, needs {m.total / 1e9:.3g} GB (experts {m.expert_total / 1e9:.3g}, "
+                        f"dense {m.dense_total / 1e9:.3g}); fix: spread the model over more ranks (EP size, "
+                        "pipeline_model_parallel_size, tensor_model_parallel_size), use the distributed "
+                        "optimizer, or raise --memory-limit-gb")
+    return PlanningResult(stage, workload, layout, cost, cands[0].plan, tuple(cands), paper.optimum(ep_size))
 
 
 def choose_plan_all_ep_sizes(topology: Topology, workload: Workload, **kwargs: Any) -> list[PlanningResult]:
     """choose_plan for every feasible EP size (smallest first), e.g. to see how far EP should span."""
-    sizes = topology.feasible_ep_sizes(workload.num_experts)
+    sizes = topology.pipeline_stage(workload.pipeline_model_parallel_size).feasible_ep_sizes(workload.num_experts)
     if workload.routing_counts is not None:
         sizes = tuple(s for s in sizes if s == workload.routing_counts.shape[-2])
     return [choose_plan(topology, workload, s, **kwargs) for s in sizes]

@@ -104,9 +104,19 @@ class Topology:
     name: str = ""
     description: str = ""
     source: str = field(default="topology", compare=False)
+    memory_gb_per_gpu: float | None = None   # device memory of one rank (GB = 1e9 bytes); None = not stated
+
+    @property
+    def memory_bytes(self) -> float | None:
+        return None if self.memory_gb_per_gpu is None else self.memory_gb_per_gpu * 1e9
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "levels", tuple(self.levels))
+        m = self.memory_gb_per_gpu
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int | float)
+                              or not (m > 0 and math.isfinite(m))):
+            raise PlanError(f"{self.source}.memory_gb_per_gpu: must be a positive number of GB, got {m!r}; "
+                            "fix: give the memory of one GPU, e.g. 80 for an H100 80GB")
         if not self.levels:
             raise PlanError(f"{self.source}.levels: empty; fix: list the levels coarse to fine, e.g. dc, gpu")
         names = [lv.name for lv in self.levels]
@@ -210,12 +220,14 @@ class Topology:
         description = r.string("description", "")
         raw_levels = r.raw("levels")
         world = r.integer("world_size", None, minimum=1)
+        memory = r.number("memory_gb_per_gpu", None, positive=True,
+                          fix="give the memory of one GPU in GB, e.g. 80 for an H100 80GB")
         r.done()
         if not isinstance(raw_levels, list) or not raw_levels:
             raise PlanError(f"{source}.levels: expected a non-empty list of levels, coarse to fine; "
                             "fix: e.g. levels: [{name: dc, count: 2, ...}, {name: gpu, count: 8, ...}]")
         levels = tuple(level_from_dict(lv, f"{source}.levels[{i}]") for i, lv in enumerate(raw_levels))
-        topo = cls(levels, name, description, source)
+        topo = cls(levels, name, description, source, memory)
         if world is not None and world != topo.world_size:
             raise PlanError(f"{source}.world_size: {world} but the level counts multiply to "
                             f"{topo.world_size} ({topo.describe()}); fix: correct the counts or world_size")
@@ -236,8 +248,11 @@ class Topology:
                 d["overrides"] = [{"between": [o.a, o.b], "bandwidth_gbps": o.bandwidth_gbps,
                                    "latency_us": o.latency_us} for o in lv.overrides]
             levels.append(d)
-        return {"name": self.name, "description": self.description, "world_size": self.world_size,
-                "levels": levels}
+        out = {"name": self.name, "description": self.description, "world_size": self.world_size,
+               "levels": levels}
+        if self.memory_gb_per_gpu is not None:
+            out["memory_gb_per_gpu"] = self.memory_gb_per_gpu
+        return out
 
     def with_counts(self, counts: Sequence[int], source: str | None = None) -> Topology:
         """Same links, new unit counts (used when SLURM supplies the counts)."""
@@ -245,7 +260,29 @@ class Topology:
             raise PlanError(f"{self.source}.levels: {len(self.levels)} levels but {len(counts)} counts")
         levels = tuple(Level(lv.name, int(c), lv.bandwidth_gbps, lv.latency_us, lv.uplink_gbps, lv.overrides)
                        for lv, c in zip(self.levels, counts, strict=True))
-        return Topology(levels, self.name, self.description, source or self.source)
+        return Topology(levels, self.name, self.description, source or self.source, self.memory_gb_per_gpu)
+
+    def pipeline_stage(self, pp: int) -> Topology:
+        """The ranks of one pipeline stage: Megatron orders ranks tp-cp-ep-dp-pp, so a stage is a
+        contiguous block of world / PP ranks (EP groups, expert replicas and the dense data-parallel
+        group live inside it). Overrides of the first stage's span are kept."""
+        if pp == 1:
+            return self
+        if self.world_size % pp:
+            raise PlanError(f"pipeline_model_parallel_size: {pp} does not divide the world size {self.world_size} "
+                            f"({self.describe()}); fix: use a divisor of it")
+        try:
+            lay = self.ep_layout(self.world_size // pp)
+        except PlanError:
+            raise PlanError(f"pipeline_model_parallel_size: stages of {self.world_size // pp} ranks do not fit the "
+                            f"levels {self.describe()} (a stage is a contiguous block: whole inner levels and a "
+                            "divisor of one level); fix: use another PP size") from None
+        levels = []
+        for lv, e in zip(self.levels, lay.extent, strict=True):
+            over = tuple(o for o in lv.overrides if o.a < e and o.b < e)
+            levels.append(Level(lv.name, e, lv.bandwidth_gbps, lv.latency_us, lv.uplink_gbps, over))
+        return Topology(tuple(levels), self.name, self.description, f"{self.source} (one of {pp} pipeline stages)",
+                        self.memory_gb_per_gpu)
 
 
 _LEVEL_FIX = "fix: give the link speed in Gbit/s, e.g. 10 for 10 Gbit/s Ethernet, 128 for PCIe 3.0 x16"

@@ -17,6 +17,8 @@ import numpy as np
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.fields import FieldReader, load_yaml
 
+BORROWED_COPIES = ("auto", "iteration", "microbatch")
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -35,9 +37,19 @@ class Workload:
     shared_experts: int = 0                  # DeepSeek-style always-on experts (compute before the routed ones)
     activation_bytes: int = 2                # bytes per element of dispatched tokens (bf16)
     weight_bytes: int = 2                    # bytes per expert parameter as stored for compute
-    grad_bytes: int = 2                      # bytes per gradient element returned / all-reduced
+    grad_bytes: int = 2                      # bytes per borrowed-expert gradient element returned to its owner
+    main_grad_bytes: int = 4                 # main-grad buffers, accumulated and all-reduced in fp32 under bf16
+    #   (Megatron sets accumulate_allreduce_grads_in_fp32 with --bf16)
     optimizer_bytes_per_param: int = 12      # Adam: fp32 master + 2 moments
-    distributed_optimizer: bool = False      # optimizer state sharded over the expert data-parallel group
+    distributed_optimizer: bool = False      # optimizer state and master weights sharded over the data-parallel
+    #   group (dense params) / the expert data-parallel group (expert params), as Megatron's distributed optimizer
+    tensor_model_parallel_size: int = 1      # TP: divides dense and expert params (expert TP = TP)
+    pipeline_model_parallel_size: int = 1    # PP: a stage holds 1/PP of the layers; EP groups live inside a stage
+    data_parallel_size: int = 0              # dense DP (0 = world / (TP x PP)); checked against it
+    vocab_size: int = 0                      # embedding rows (input + output, untied), counted as dense params
+    dense_params: int | None = None          # all non-expert params (None = estimated from the shape)
+    borrowed_copies: str = "auto"            # "iteration": gather borrowed experts once per step and return their
+    #   gradients once; "microbatch": both in every micro-batch; "auto": iteration when its held memory fits
     throughput_tflops: float = 100.0         # achieved dense throughput per rank, to estimate compute times
     t_pre_ms: float | None = None            # measured compute before the experts (fwd, per MoE layer)
     compression_ratio: float = 1.0           # parameters / values kept when shipping an expert (top-k residual)
@@ -56,15 +68,22 @@ class Workload:
                 raise PlanError(f"model.{fld}: {msg} (got {getattr(self, fld)!r}); fix: {fix}")
 
         for fld in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k", "num_moe_layers", "seq_length",
-                    "micro_batch_size", "micro_batches", "activation_bytes", "weight_bytes", "grad_bytes"):
+                    "micro_batch_size", "micro_batches", "activation_bytes", "weight_bytes", "grad_bytes",
+                    "main_grad_bytes", "tensor_model_parallel_size", "pipeline_model_parallel_size"):
             v = getattr(self, fld)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, fld, "must be a positive integer",
                  "set it from the model config")
         for fld in ("num_layers", "tokens_per_rank", "dense_ffn_hidden_size", "shared_experts",
-                    "optimizer_bytes_per_param"):
+                    "optimizer_bytes_per_param", "data_parallel_size", "vocab_size"):
             v = getattr(self, fld)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, fld, "must be an integer >= 0",
                  "set it from the model config")
+        need(self.dense_params is None or (isinstance(self.dense_params, int) and self.dense_params >= 0),
+             "dense_params", "must be an integer >= 0", "count the non-expert parameters, or leave it out")
+        need(self.borrowed_copies in BORROWED_COPIES, "borrowed_copies",
+             f"must be one of {', '.join(BORROWED_COPIES)}", "use auto unless forcing a mode")
+        need(self.pipeline_model_parallel_size <= self.layers, "pipeline_model_parallel_size",
+             f"cannot exceed the {self.layers} layers", "use fewer pipeline stages")
         need(self.top_k <= self.num_experts, "top_k", f"cannot exceed num_experts={self.num_experts}",
              "lower --moe-router-topk")
         need(self.num_layers == 0 or self.num_layers >= self.num_moe_layers, "num_layers",
@@ -110,6 +129,26 @@ class Workload:
         return self.num_layers or self.num_moe_layers
 
     @property
+    def stage_moe_layers(self) -> int:
+        """MoE layers on the busiest pipeline stage (all of them without PP)."""
+        return -(-self.num_moe_layers // self.pipeline_model_parallel_size)
+
+    @property
+    def model_dense_params(self) -> int:
+        """Non-expert parameters of the whole model: ``dense_params`` when given, else attention (QKV +
+        projection, counted as MHA) and two norms per layer, the router and shared experts of every MoE
+        layer, the dense layers' FFN, and untied input/output embeddings of ``vocab_size`` rows."""
+        if self.dense_params is not None:
+            return self.dense_params
+        h = self.hidden_size
+        mats = 3 if self.gated_mlp else 2
+        per_layer = 4 * h * h + 2 * h
+        moe = h * self.num_experts + self.shared_experts * self.expert_params
+        dense_ffn = mats * h * (self.dense_ffn_hidden_size or 4 * h)
+        return (self.layers * per_layer + self.num_moe_layers * moe
+                + (self.layers - self.num_moe_layers) * dense_ffn + 2 * self.vocab_size * h + h)
+
+    @property
     def expert_params(self) -> int:
         return (3 if self.gated_mlp else 2) * self.hidden_size * self.ffn_hidden_size
 
@@ -132,6 +171,17 @@ class Workload:
         if self.compressed_grad_bytes is not None:
             return float(self.compressed_grad_bytes)
         return float(codec_payload_bytes(self.expert_params, self.grad_compression_ratio, self.grad_bytes))
+
+    def returned_grad_bytes(self, mode: str) -> float:
+        """Bytes to return one borrowed expert's gradient in a borrowed-copies mode: "microbatch"
+        returns the copy's gradient as computed (``grad_wire_bytes``); "iteration" returns the
+        accumulator over the micro-batches, kept at main-grad precision (``main_grad_bytes``; runtime
+        borrowed.py), through the same codec (one micro-batch: nothing accumulates)."""
+        if mode != "iteration" or self.micro_batches == 1 or self.main_grad_bytes == self.grad_bytes:
+            return self.grad_wire_bytes
+        if self.compressed_grad_bytes is not None:
+            return float(self.compressed_grad_bytes) * self.main_grad_bytes / self.grad_bytes
+        return float(codec_payload_bytes(self.expert_params, self.grad_compression_ratio, self.main_grad_bytes))
 
     @property
     def shared_sync_bytes(self) -> float:

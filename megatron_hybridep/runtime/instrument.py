@@ -4,7 +4,10 @@ updates per layer; read by the planner/scheduler, the benchmarks and the trainin
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +40,22 @@ class Stats:
         r.seconds += seconds
         r.wall += wall
         r.calls += 1
+
+    @contextmanager
+    def timed(self, phase: str, group: str = "dp", *, nbytes: int = 0, layer: int = -1,
+              level: str | None = None) -> Iterator[None]:
+        """Time a blocking step of the training loop as one collective record, e.g. Megatron's
+        finalize_model_grads as ``stats.timed("dense_grad_allreduce")``: the scheduler subtracts
+        every timed record from the wall time to measure compute, and the cost model prices the
+        phase from bandwidth. ``level``: the coarsest link level its ``nbytes`` cross (a bytes-only
+        record, as the collectives write them); layer -1: not a layer's."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(layer, phase, group, 0 if level else nbytes, time.perf_counter() - t0)
+            if level:
+                self.add(layer, phase, group, nbytes, 0.0, level=level)
 
     def add_routing(self, layer: int, counts: np.ndarray) -> None:
         prev = self.tokens_per_expert.get(layer)

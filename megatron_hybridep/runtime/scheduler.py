@@ -2,7 +2,9 @@
 
 Every ``interval`` iterations it turns the runtime's measurements into cost-model inputs —
 per-expert routing counts (from the router), the effective bandwidth per link level, and the compute
-per iteration (wall time minus timed collectives, which sets the cost model's compute speed) — and asks
+per iteration (wall time minus every timed collective, the dense gradient all-reduce the training
+loop records with ``Stats.timed("dense_grad_allreduce")`` included; it sets the cost model's compute
+speed, while tier b prices the dense all-reduce itself from bandwidth) — and asks
 ``plan.planner.replan`` whether another prebuilt plan beats the current one by more than the switch
 cost over the horizon. It switches only after ``patience`` consecutive checks agree and only for a
 gain of at least ``min_gain`` of the current step (hysteresis, so it cannot flap), at an iteration
@@ -144,8 +146,9 @@ class PlanScheduler:
                         if stats.tokens_per_expert else 0.0)
         nbytes, secs, ncalls = blocking_by_level(stats, levels)
         rows[me, e:-1] = nbytes
-        # compute = the iteration's wall time minus what this rank spent in timed collectives: calibrates
-        # the cost model's compute (everything it does not model, every plan pays alike, lands here too)
+        # compute = the iteration's wall time minus what this rank spent in timed collectives (the dense
+        # gradient all-reduce included: tier b prices it as its own phase): calibrates the cost model's
+        # compute (everything it does not model, every plan pays alike, lands here too)
         comm = stats.seconds_by()  # per-level records carry bytes only: each call's time counts once
         rows[me, -1] = max(0.0, iteration_s - comm) if iteration_s > 0 else 0.0
         t = torch.from_numpy(np.concatenate([rows.ravel(), secs, ncalls]))

@@ -66,12 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--ep-size", type=int, metavar="G", help="EP group size (default: largest that fits)")
     how.add_argument("--schedule", choices=SCHEDULES, default="runtime",
                      help="runtime: as megatron_hybridep runs it (default); paper: T = max(T_pre, AG) + 2 A2A")
-    how.add_argument("--gather", choices=GATHER_MODES, default="micro-batch",
-                     help="micro-batch: gather + return in every micro-batch, as the runtime does (default); "
-                          "iteration: once per iteration")
+    how.add_argument("--gather", choices=GATHER_MODES, default="auto",
+                     help="borrowed copies: auto (the mode the runtime picks: iteration when held copies fit the "
+                          "memory, default); iteration: gather + return once per iteration; microbatch: every one")
     how.add_argument("--forward-only", action="store_true", help="no backward pass (the paper's model)")
-    how.add_argument("--dense-grad-bytes", type=float, default=0.0, metavar="BYTES",
-                     help="dense gradients all-reduced over all ranks after the backward (default 0)")
+    how.add_argument("--dense-grad-bytes", type=float, default=None, metavar="BYTES",
+                     help="dense gradients per rank all-reduced over the data-parallel group after the backward "
+                          "(default: the model's, as the cost model prices them; 0: leave out)")
     out = parser.add_argument_group("output (one configuration)")
     out.add_argument("--timeline", type=int, default=24, metavar="N",
                      help="print the first N main-thread spans (default 24; 0: none)")
@@ -210,7 +211,12 @@ def run_single(args: argparse.Namespace) -> int:
 def report(topo: Topology, work: Workload, res: SimResult, how: str, options: SimOptions,
            tierb: dict[str, float], tierb_total: float, took: float, timeline: int) -> str:
     lay = topo.ep_layout(res.plan.ep_size)
-    sched = (f"{options.schedule}, gather every {'micro-batch' if options.gather == 'micro-batch' else 'iteration'}"
+    from megatron_hybridep.plan.cost import CostModel
+
+    mode = (options.gather if options.gather in ("iteration", "microbatch")
+            else CostModel(topo, work).borrowed_copies(res.plan)[0])
+    every = "micro-batch" if mode == "microbatch" else "iteration"
+    sched = (f"{options.schedule}, borrowed copies gathered every {every}"
              f", {'forward + backward' if options.backward else 'forward only'}")
     lines = [
         f"topology  {topo.name or topo.source}: {topo.describe()}; EP group {lay.ep_size} = "

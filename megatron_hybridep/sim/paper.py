@@ -61,7 +61,8 @@ def repro_spec(root: str, variant: str = "full", dcs: Sequence[int] = DCS,
                wan_gbps: Sequence[float] = WAN_GBPS) -> SweepSpec:
     if variant not in ("full", "forward"):
         raise ValueError(f"variant: {variant!r}; use 'full' or 'forward'")
-    options = (SimOptions(gather="iteration") if variant == "full"
+    # the paper's experiment prices the MoE layers: no dense gradient all-reduce (simulate's default adds it)
+    options = (SimOptions(gather="iteration", dense_grad_bytes=0.0) if variant == "full"
                else SimOptions(schedule="paper", backward=False))
     return SweepSpec(repro_topology(root), repro_workload(root), tuple(dcs), tuple(wan_gbps), POLICIES,
                      ep_span="all", experts_per_rank=1, options=options)

@@ -7,15 +7,19 @@
   all-to-all over the rail (blocking); wait for layer l's gather (``DomainGather.borrowed``);
   experts; ``after_experts`` starts layer l+1's gather, which then overlaps layer l's combine
   all-to-all (blocking), layer l+1's attention and dispatch: it shares their links;
-- every micro-batch gathers again: ``borrowed()`` consumes the pending gather and the next
-  micro-batch's ``forward()`` starts a new one (layer 0's after its attention, the others from
-  ``after_experts``), and the gradient of every micro-batch's gathered copies is returned;
+- borrowed copies (``gather``, the runtime's --hybridep-borrowed-copies, resolved per plan by
+  plan/cost.py): "iteration" gathers in the first micro-batch only, keeps the copies for the
+  iteration and returns the accumulated gradients once, in the last micro-batch's backward;
+  "microbatch" gathers again in every micro-batch (the next micro-batch's ``forward()`` starts
+  layer 0's after its attention, the others from ``after_experts``) and returns the gradient of
+  every micro-batch's copies;
 - backward, per layer in reverse: combine's transpose (blocking), expert backward (2x forward),
   the gradient return to the owners (blocking, in ``_Gathered.backward``: a reduce-scatter, or an
   all-to-all of top-k payloads when gradients are compressed), the dispatch's transpose
   (blocking), attention backward (2x T_pre);
-- after the last micro-batch Megatron's finalize_model_grads all-reduces expert gradients over the
-  expert data-parallel replicas (blocking: the runtime builds DDP with overlap_grad_reduce=False);
+- after the last micro-batch Megatron's finalize_model_grads all-reduces the dense gradients over
+  the data-parallel group, then the expert gradients over the expert data-parallel replicas
+  (blocking: the runtime builds DDP with overlap_grad_reduce=False; sim/simulate.py appends them);
 - shared+residual compression refreshes the shared expert inside ``DomainGather.start()`` (a
   blocking all-reduce over the EP group, every refresh_every steps: its bytes come amortised per
   step), before the first gather of each layer in a step;
@@ -27,9 +31,7 @@
   attention's backward.
 Not modelled: the codec's encode/decode compute (fused with the optimizer step / the expert GEMM).
 
-``gather="iteration"`` models a runtime that keeps gathered copies for all micro-batches and
-returns their gradients once (a runtime we do not have; tier b, plan/cost.py, is the closed form of
-``runtime``). ``paper`` is the paper's stream
+Tier b (plan/cost.py) is the closed form of ``runtime`` in both modes. ``paper`` is the paper's stream
 model as a schedule: layer l's gather starts with layer l's T_pre and is waited for before the
 dispatch (T = max(T_pre, AG) + 2 A2A), once per iteration.
 """
@@ -43,27 +45,30 @@ from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.sim.engine import BLOCK, COMPUTE, START, WAIT, Instr
 
 SCHEDULES = ("runtime", "paper")
-GATHER_MODES = ("micro-batch", "iteration")
+GATHER_MODES = ("auto", "iteration", "microbatch", "micro-batch")  # "micro-batch": the older spelling
 
 # exposed-time phases (plan/cost.py PHASES): they sum to the iteration time
 PHASES = ("pre_compute", "expert_compute", "token_a2a_fwd", "token_a2a_bwd", "expert_allgather",
-          "grad_return", "shared_sync", "expert_grad_allreduce")
+          "grad_return", "shared_sync", "dense_grad_allreduce", "expert_grad_allreduce")
 
 
 @dataclass(frozen=True)
 class SimOptions:
     schedule: str = "runtime"
-    gather: str = "micro-batch"      # what the runtime does today; "iteration": gather once, return once
+    gather: str | None = None        # borrowed copies: None/"auto" = the workload's mode as tier b resolves it
+    #   per plan; "iteration" or "microbatch" force one
     backward: bool = True            # False: forward passes only (the paper's model has no backward)
-    dense_grad_bytes: float = 0.0    # dense gradients all-reduced over all ranks after the backward (every
-    #   plan pays it alike, so 0 by default; the testbed comparison sets it from the model)
+    dense_grad_bytes: float | None = None  # dense gradients per rank all-reduced over the data-parallel group
+    #   after the backward (None: the workload's, as tier b prices them; 0: left out)
 
     def __post_init__(self) -> None:
+        if self.gather == "micro-batch":
+            object.__setattr__(self, "gather", "microbatch")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"schedule: unknown {self.schedule!r}; fix: use one of {', '.join(SCHEDULES)}")
-        if self.gather not in GATHER_MODES:
+        if self.gather is not None and self.gather not in GATHER_MODES:
             raise PlanError(f"gather: unknown {self.gather!r}; fix: use one of {', '.join(GATHER_MODES)}")
-        if not self.dense_grad_bytes >= 0:
+        if self.dense_grad_bytes is not None and not self.dense_grad_bytes >= 0:
             raise PlanError(f"dense_grad_bytes: must be >= 0, got {self.dense_grad_bytes!r}")
 
 

@@ -22,6 +22,7 @@ in-flight state. 1000 DCs x 8 GPUs, 256 experts (deepseek-v3-like, 58 layers x 8
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_hybridep.plan.cost import CostModel
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.hot import REPLICA_PHASES
 from megatron_hybridep.plan.network import (
@@ -106,10 +108,11 @@ def _local(fam: Family, outer: int) -> Family:
     return Family(fam.sizes[outer:], fam.strides[outer:])
 
 
-def ep_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLayout
+def ep_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLayout, mode: str = "microbatch"
                    ) -> tuple[list[Collective], list[LayerWork], dict[str, str | None]]:
     """Collectives inside one EP group (levels ``lay.outer``.. of the world), the per-layer work and
-    the names ``build_program`` takes (gather, grad_return, shared_sync, replicas, replica_grad)."""
+    the names ``build_program`` takes (gather, grad_return, shared_sync, replicas, replica_grad);
+    ``mode``: the borrowed-copies mode (what the gradient return carries)."""
     w, G, E = workload, plan.ep_size, plan.num_experts
     o = lay.outer
     S_world = world_domain_sizes(lay, plan.domain_sizes)
@@ -123,7 +126,7 @@ def ep_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLa
         pair = w.dispatch_bytes * plan.domain_size / G
         colls += [Collective("dispatch", A2A, rails, pair), Collective("combine", A2A, rails, pair)]
         load = float(w.tokens * w.top_k)
-        layers = [LayerWork(w.t_pre, load * w.expert_seconds_per_token, "dispatch", "combine")] * w.num_moe_layers
+        layers = [LayerWork(w.t_pre, load * w.expert_seconds_per_token, "dispatch", "combine")] * w.stage_moe_layers
     else:
         dst = plan.compute_ranks().ravel()
         src = np.repeat(np.arange(G), E)
@@ -136,7 +139,8 @@ def ep_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLa
                       Collective(f"combine{i}", PAIRS, src=d, dst=s, pair_bytes=pair)]
             load = float(np.bincount(dst, weights=c, minlength=G).max())
             works.append(LayerWork(w.t_pre, load * w.expert_seconds_per_token, f"dispatch{i}", f"combine{i}"))
-        layers = [works[li % len(works)] for li in range(w.num_moe_layers)] if len(works) == 1 else works
+        layers = ([works[li % len(works)] for li in range(w.stage_moe_layers)] if len(works) == 1
+                  else works[:w.stage_moe_layers])
     names: dict[str, str | None] = dict.fromkeys(("gather", "grad_return", "shared_sync", "replicas", "replica_grad"))
     if plan.kind == "domains" and plan.domain_size > 1:
         S = plan.domain_size
@@ -144,9 +148,9 @@ def ep_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLa
         dom = _local(domain_family(lay, S_world), o)
         colls.append(Collective("gather", RING, dom, (S - 1) * own * w.expert_wire_bytes, S - 1))
         if w.grad_compression_ratio > 1:  # top-k payloads by all_to_all_single in the domain
-            colls.append(Collective("grad_return", A2A, dom, own * w.grad_wire_bytes, 1))
+            colls.append(Collective("grad_return", A2A, dom, own * w.returned_grad_bytes(mode), 1))
         else:                               # reduce_scatter: a ring
-            colls.append(Collective("grad_return", RING, dom, (S - 1) * own * w.grad_wire_bytes, S - 1))
+            colls.append(Collective("grad_return", RING, dom, (S - 1) * own * w.returned_grad_bytes(mode), S - 1))
         names.update(gather="gather", grad_return="grad_return")
     if names["gather"] is not None and w.shared_sync_bytes:  # refreshed by DomainGather.start(): domains of S > 1
         group = _local(domain_family(lay, lay.extent), o)
@@ -172,23 +176,28 @@ def replica_collectives(w: Workload, plan: Plan) -> list[Collective]:
 
 
 def world_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLayout,
-                      dense_grad_bytes: float = 0.0) -> list[tuple[str, Collective]]:
+                      dense_grad_bytes: float | None = None) -> list[tuple[str, Collective]]:
     """(phase, collective) across EP groups, in finalize_model_grads order: the dense gradients over
-    all ranks (when given), then the expert gradients over the expert data-parallel replicas (one
-    bucket each: Megatron DDP without overlap_grad_reduce reduces a buffer in one call)."""
+    the data-parallel group (``dense_grad_bytes`` per rank; None: the workload's main grads, as tier b
+    prices them), then the expert gradients over the expert data-parallel replicas (one bucket each:
+    Megatron DDP without overlap_grad_reduce reduces a buffer in one call). ``topology``: one
+    pipeline stage (Topology.pipeline_stage)."""
     w = workload
     out = []
-    W = topology.world_size
-    if dense_grad_bytes > 0 and W > 1:
-        fam = Family(topology.level_counts, (1,) * len(topology.level_counts))
+    n, tp = topology.level_counts, w.tensor_model_parallel_size
+    k = topology.world_size // tp
+    if dense_grad_bytes is None:
+        dense_grad_bytes = w.model_dense_params / (tp * w.pipeline_model_parallel_size) * w.main_grad_bytes
+    if dense_grad_bytes > 0 and k > 1:
+        fam = Family(n[:-1] + (n[-1] // tp,), (1,) * (len(n) - 1) + (tp,))  # same TP rank: stride TP
         out.append(("dense_grad_allreduce",
-                    Collective("dense_grad_allreduce", RING, fam, 2 * (W - 1) / W * dense_grad_bytes, 2 * (W - 1))))
+                    Collective("dense_grad_allreduce", RING, fam, 2 * (k - 1) / k * dense_grad_bytes, 2 * (k - 1))))
     if plan.kind == "domains":
         fam, k, own = replica_family(topology, lay), lay.num_groups, plan.num_experts // plan.ep_size
     else:
         fam, k, own = dc_replica_family(topology), topology.level_counts[0], plan.num_experts // plan.rail_size
     if k > 1:
-        grad = own * w.expert_params * w.grad_bytes * w.num_moe_layers
+        grad = own * w.expert_params / w.tensor_model_parallel_size * w.main_grad_bytes * w.stage_moe_layers
         out.append(("expert_grad_allreduce",
                     Collective("expert_grad_allreduce", RING, fam, 2 * (k - 1) / k * grad, 2 * (k - 1))))
     return out
@@ -266,8 +275,12 @@ def simulate(topology: Topology, workload: Workload, plan: Plan | None = None, *
     flow of every rank (no reduction by translation symmetry): for tests and small worlds."""
     options = options or SimOptions()
     plan = resolve_plan(topology, workload, plan, ep_size)
+    model = CostModel(topology, workload)
+    topology = model.topology  # one pipeline stage
+    if options.gather not in ("iteration", "microbatch"):  # the mode tier b prices for this plan
+        options = dataclasses.replace(options, gather=model.borrowed_copies(plan)[0])
     lay = check_plan(topology, workload, plan)
-    colls, layers, names = ep_collectives(topology, workload, plan, lay)
+    colls, layers, names = ep_collectives(topology, workload, plan, lay, options.gather or "microbatch")
     present = {c.name for c in colls if not c.empty}
     program = build_program(layers, workload.micro_batches, **names, options=options, present=present)
     stats = EngineStats()
@@ -318,9 +331,10 @@ def simulate(topology: Topology, workload: Workload, plan: Plan | None = None, *
         notes.append("skewed routing: explicit flows per EP-rank pair")
     if len(classes) > 1:
         notes.append(f"{len(classes)} classes of EP groups (per-pair overrides): the slowest sets the pace")
-    if plan.kind == "domains" and plan.domain_size > 1 and workload.micro_batches > 1 and options.gather != "iteration":
-        notes.append(f"the runtime gathers experts and returns their gradients in every micro-batch "
-                     f"({workload.micro_batches}x per iteration); --gather iteration models doing it once")
+    if plan.kind == "domains" and plan.domain_size > 1 and workload.micro_batches > 1:
+        notes.append("borrowed copies: " + (
+            f"gathered and their gradients returned in every micro-batch ({workload.micro_batches}x per iteration)"
+            if options.gather == "microbatch" else "gathered once per iteration, gradients returned once"))
     if plan.replicas:
         notes.append(f"{len(plan.replicas)} hot-expert replicas: exact weights to each replica before its "
                      "layer's dispatch, gradients back in its backward (replica_weights, replica_grad_return)")

@@ -90,3 +90,36 @@ def test_slurm(capsys, tmp_path, monkeypatch):
     assert rc == 0, err
     d = json.loads(js)
     assert d["world_size"] == 16 and d["ep_levels"] == {"dc": 2, "node": 2, "gpu": 4}
+
+
+def test_memory_of_the_topology_refuses_plans_that_do_not_fit(capsys):
+    """The issue-15 command: deepseek-v3-like on the paper's 4dc_x_8 (80 GB GPUs) fits no plan."""
+    args = ("--topology", T("4dc_x_8"), "--model", M("deepseek-v3-like"), "--tokens-per-rank", "4096")
+    rc, out, err = run(capsys, *args)
+    assert rc == 2 and out == ""
+    assert "memory_limit: no plan fits 80 GB per rank" in err and "4dc_x_8.yaml.memory_gb_per_gpu" in err
+    assert "pipeline_model_parallel_size" in err
+    rc, out, _ = run(capsys, *args, "--no-memory-check")
+    assert rc == 0 and "\n-  " in out  # costed, marked as not fitting
+    rc, out, _ = run(capsys, *args, "--pipeline-model-parallel-size", "4", "--distributed-optimizer",
+                     "--memory-limit-gb", "2000")
+    assert rc == 0 and "TP 1 x PP 4" in out and "EP group: 8 ranks = 8 gpu" in out  # a stage is one DC
+    rc, out, err = run(capsys, "--topology", T("4dc_x_8"), "--model", M("deepseek-v3-like"),
+                       "--pipeline-model-parallel-size", "3")
+    assert rc == 2 and "pipeline_model_parallel_size: 3 does not divide the world size 32" in err
+
+
+def test_borrowed_copies_flag_and_json(capsys):
+    base = ("--topology", T("2dc_x_8"), "--model", M("paper-l"), "--tokens-per-rank", "8192", "--micro-batches",
+            "16", "--json")
+    for mode in ("iteration", "microbatch"):
+        rc, out, _ = run(capsys, *base, "--borrowed-copies", mode)
+        assert rc == 0
+        cands = json.loads(out)["candidates"]
+        hyb = [c for c in cands if c["kind"] == "domains" and max(c["domain_sizes"]) > 1]
+        assert hyb and all(c["cost"]["borrowed_copies"] == mode for c in hyb)
+        assert all("dense_grad_allreduce" in c["cost"]["phases"] for c in cands)
+        assert all(c["cost"]["memory"]["dense_total"] > 0 if "dense_total" in c["cost"]["memory"] else True
+                   for c in cands)
+    with pytest.raises(SystemExit):
+        run(capsys, *base, "--borrowed-copies", "sometimes")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import numpy as np
 import pytest
@@ -223,9 +224,14 @@ def test_replicated_plan_costs_a_gradient_allreduce_and_no_cross_dc_tokens():
     rep = model.evaluate(Plan.replicated((2, 8), 32))
     assert rep.raw["expert_allgather"] == 0 and rep.raw["expert_grad_allreduce"] > 0
     assert "token_a2a" not in rep.levels[0].seconds
-    # uncompressed, the gather + gradient return of S_dc = 2 moves the same bytes as the all-reduce
-    hyb = model.evaluate(Plan.grid((2, 8), (2, 1), 32))
-    assert hyb.levels[0].uplink_bytes == pytest.approx(rep.levels[0].uplink_bytes)
+    # uncompressed, the gather + gradient return of S_dc = 2 moves the same bytes as the all-reduce when
+    # both are in the parameters' dtype; Megatron all-reduces fp32 main grads under bf16: 4 bytes not 2
+    same = CostModel(topo, workload(num_experts=32, main_grad_bytes=2))
+    hyb = same.evaluate(Plan.grid((2, 8), (2, 1), 32))
+    rep2 = same.evaluate(Plan.replicated((2, 8), 32))
+    assert hyb.levels[0].uplink_bytes == pytest.approx(rep2.levels[0].uplink_bytes)
+    assert rep.levels[0].seconds["expert_grad_allreduce"] == pytest.approx(
+        2 * rep2.levels[0].seconds["expert_grad_allreduce"])  # bandwidth time; the latency stays
 
 
 def test_compression_shrinks_the_gather_by_the_byte_ratio():
@@ -245,13 +251,14 @@ def test_compression_shrinks_the_gather_by_the_byte_ratio():
     assert refreshed.total > comp.total
 
 
-def test_micro_batches_repeat_tokens_gathers_and_returns():
-    """The runtime gathers and returns gradients in every micro-batch; layer 0's gather in later
-    micro-batches starts at its MoE block, so it has no T_pre to hide behind."""
+def test_microbatch_mode_repeats_tokens_gathers_and_returns():
+    """borrowed_copies="microbatch": gathers and gradient returns in every micro-batch; layer 0's gather
+    in later micro-batches starts at its MoE block, so it has no T_pre to hide behind."""
     topo = paper_topo(2, 8)
     plan = Plan.grid((2, 8), (2, 1), 32)
-    one = CostModel(topo, workload(num_experts=32)).evaluate(plan)
-    four = CostModel(topo, workload(num_experts=32, micro_batches=4)).evaluate(plan)
+    one = CostModel(topo, workload(num_experts=32, borrowed_copies="microbatch")).evaluate(plan)
+    four = CostModel(topo, workload(num_experts=32, micro_batches=4, borrowed_copies="microbatch")).evaluate(plan)
+    assert four.borrowed_copies == "microbatch"
     Lm, ag, t_pre = workload(num_experts=32).num_moe_layers, one.raw["expert_allgather"], one.raw["t_pre"]
     assert four.phases["token_a2a_fwd"] == pytest.approx(4 * one.phases["token_a2a_fwd"])
     assert one.phases["grad_return"] > 0
@@ -259,6 +266,51 @@ def test_micro_batches_repeat_tokens_gathers_and_returns():
     hidden = max(0.0, ag - t_pre)
     assert four.phases["expert_allgather"] == pytest.approx(4 * Lm * hidden + 3 * (ag - hidden))
     assert four.phases["expert_grad_allreduce"] == one.phases["expert_grad_allreduce"]
+    assert four.levels[0].seconds["expert_allgather"] == pytest.approx(4 * one.levels[0].seconds["expert_allgather"])
+
+
+@pytest.mark.parametrize("m", [2, 4, 16])
+def test_iteration_mode_gathers_and_returns_once_whatever_the_micro_batches(m):
+    """borrowed_copies="iteration": the gather and the gradient return cost the same at every M > 1
+    (the return carries the fp32 accumulator; at M = 1 nothing accumulates and the bf16 gradient
+    goes back); tokens and compute still scale with M."""
+    topo = paper_topo(2, 8)
+    plan = Plan.grid((2, 8), (2, 1), 32)
+    single = CostModel(topo, workload(num_experts=32, borrowed_copies="iteration")).evaluate(plan)
+    one = CostModel(topo, workload(num_experts=32, borrowed_copies="iteration", micro_batches=2)).evaluate(plan)
+    assert one.levels[0].seconds["grad_return"] == pytest.approx(2 * single.levels[0].seconds["grad_return"])
+    assert one.phases["expert_allgather"] == pytest.approx(single.phases["expert_allgather"])
+    many = CostModel(topo, workload(num_experts=32, micro_batches=m, borrowed_copies="iteration")).evaluate(plan)
+    assert many.borrowed_copies == "iteration" and one.phases["grad_return"] > 0
+    for ph in ("expert_allgather", "grad_return", "shared_sync", "expert_grad_allreduce", "dense_grad_allreduce"):
+        assert many.phases[ph] == pytest.approx(one.phases[ph]), ph
+    assert many.phases["token_a2a_fwd"] == pytest.approx(m / 2 * one.phases["token_a2a_fwd"])
+    for name in ("expert_allgather", "grad_return"):  # WAN time of these phases per iteration
+        assert many.levels[0].seconds[name] == pytest.approx(one.levels[0].seconds[name])
+
+
+def test_auto_mode_keeps_copies_when_they_fit_and_regathers_when_not():
+    topo = paper_topo(2, 8)
+    plan = Plan.grid((2, 8), (2, 1), 32)
+    w = workload(num_experts=32, micro_batches=8)
+    fits = CostModel(topo, w)  # no memory stated: iteration
+    assert fits.borrowed_copies(plan)[0] == "iteration"
+    it = CostModel(topo, w).memory(plan, mode="iteration")
+    mb = CostModel(topo, w).memory(plan, mode="microbatch")
+    assert it.total > mb.total  # the accumulator of S x own experts is held for the iteration
+    between = (it.total + mb.total) / 2
+    mode, why = CostModel(topo, w, memory_limit_bytes=between).borrowed_copies(plan)
+    assert mode == "microbatch" and "limit" in why and why.endswith("microbatch")
+    mode, why = CostModel(topo, w, memory_limit_bytes=it.total).borrowed_copies(plan)
+    assert mode == "iteration" and why.endswith("iteration")
+    slow = CostModel(topo, w, memory_limit_bytes=between).evaluate(plan)
+    fast = CostModel(topo, w, memory_limit_bytes=it.total).evaluate(plan)
+    assert slow.borrowed_copies == "microbatch" and slow.phases["grad_return"] == pytest.approx(
+        8 * w.num_moe_layers * slow.raw["grad_return"])
+    assert fast.phases["grad_return"] == pytest.approx(w.num_moe_layers * fast.raw["grad_return"])
+    # once per iteration the return carries the fp32 accumulator, per micro-batch the bf16 gradient
+    assert fast.levels[0].seconds["grad_return"] == pytest.approx(2 * slow.levels[0].seconds["grad_return"] / 8)
+    assert CostModel(topo, w.replace(borrowed_copies="microbatch")).borrowed_copies(plan)[0] == "microbatch"
 
 
 def test_gradient_traffic_is_exposed_as_the_runtime_blocks_on_it():
@@ -310,3 +362,39 @@ def test_plan_must_match_topology_and_model():
     with pytest.raises(PlanError, match="plan.num_experts: 16"):
         model.evaluate(Plan.grid((2, 8), (1, 1), 16))
     assert math.isfinite(model.evaluate(Plan.grid((2, 8), (1, 1), 32)).total)
+
+
+def test_resolve_borrowed_copies_says_why_in_one_line():
+    from megatron_hybridep.plan.cost import resolve_borrowed_copies
+
+    topo = Topology.from_yaml(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "configs", "topologies", "2dc_x_8.yaml"))
+    w = workload(num_experts=32, micro_batches=8)
+    plan = Plan.grid((2, 8), (2, 1), 32)
+    mode, why = resolve_borrowed_copies(topo, w, plan)
+    assert mode == "iteration" and why.startswith("held borrowed copies need ") and why.endswith(
+        "limit 80 GB: iteration") and "\n" not in why
+    mode, why = resolve_borrowed_copies(topo, w, plan, memory_limit_bytes=1e6)
+    assert mode == "microbatch" and why.endswith("limit 1 MB: microbatch")
+    assert resolve_borrowed_copies(topo, w.replace(borrowed_copies="microbatch"), plan) == (
+        "microbatch", "borrowed_copies=microbatch (forced)")
+    assert resolve_borrowed_copies(topo, w, Plan.grid((2, 8), (1, 1), 32))[1] == "no borrowed experts"
+
+
+def test_pipeline_stage_is_a_contiguous_block_of_ranks():
+    topo = Topology((Level("dc", 8, 10.0, 100.0, 10.0, (LinkOverride(0, 1, 1.0, 5.0), LinkOverride(2, 5, 1.0, 5.0))),
+                     Level("gpu", 8, 100.0)), memory_gb_per_gpu=80)
+    stage = topo.pipeline_stage(4)
+    assert stage.level_counts == (2, 8) and stage.memory_gb_per_gpu == 80
+    assert stage.levels[0].overrides == (LinkOverride(0, 1, 1.0, 5.0),)  # only the first stage's pairs
+    assert topo.pipeline_stage(1) is topo and topo.pipeline_stage(16).level_counts == (1, 4)
+    with pytest.raises(PlanError, match="pipeline_model_parallel_size: 3 does not divide"):
+        topo.pipeline_stage(3)
+    w = workload(num_experts=16, num_moe_layers=8, pipeline_model_parallel_size=4)
+    model = CostModel(topo, w)
+    assert model.topology == stage and w.stage_moe_layers == 2
+    one = CostModel(stage, w.replace(pipeline_model_parallel_size=1, num_moe_layers=2, dense_params=0))
+    plan = Plan.grid((2, 8), (2, 1), 16)
+    a, b = model.evaluate(plan), one.evaluate(plan)
+    for ph in ("token_a2a_fwd", "expert_allgather", "grad_return", "expert_compute"):
+        assert a.phases[ph] == pytest.approx(b.phases[ph]), ph  # a stage's layers on a stage's ranks

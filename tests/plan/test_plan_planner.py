@@ -67,7 +67,7 @@ def test_tiny_token_traffic_keeps_plain_ep():
 
 def test_memory_limit():
     t, w = topo("2dc_x_8"), model("paper-l", compression_ratio=50, grad_compression_ratio=50,
-                                  tokens_per_rank=16384)
+                                  tokens_per_rank=16384, borrowed_copies="iteration")
     free = choose_plan(t, w)
     big = free.chosen.cost.memory.total
     smallest = min(c.cost.memory.total for c in free.candidates)
@@ -78,7 +78,7 @@ def test_memory_limit():
     fitting = [c for c in capped.candidates if c.fits_memory]
     assert capped.chosen.cost.total == min(c.cost.total for c in fitting)
     assert any(not c.fits_memory for c in capped.candidates)
-    with pytest.raises(PlanError, match=r"memory_limit: no plan fits.*fix: raise --memory-limit-gb"):
+    with pytest.raises(PlanError, match=r"memory_limit: no plan fits.*fix: .*raise --memory-limit-gb"):
         choose_plan(t, w, memory_limit_bytes=smallest * 0.99)
 
 
@@ -105,7 +105,7 @@ def test_all_ep_sizes_and_default():
 def test_1000_dcs_plan_fast():
     t, w = topo("1000dc_x_8"), model("deepseek-v3-like")
     start = time.perf_counter()
-    res = choose_plan(t, w)
+    res = choose_plan(t, w, check_memory=False)  # the model alone needs PP to fit (configs/presets)
     elapsed = time.perf_counter() - start
     assert res.layout.ep_size == 64 and res.layout.num_groups == 125
     assert len(res.candidates) == len(divisors(8)) ** 2 + 1

@@ -119,6 +119,7 @@ def _measure_on_ranks(ctx):
     rt.stats.add_routing(0, np.array([1.0, 2.0, 3.0, 4.0]) * (ctx.rank + 1))
     rt.stats.add(0, "token_dispatch", "rail", 0, 0.1 * (ctx.rank + 1))  # rank 1 waited 0.1 s longer
     rt.stats.add(0, "token_dispatch", "rail", 1000 * (ctx.rank + 1), 0.0, level="dc")
+    rt.stats.add(-1, "dense_grad_allreduce", "dp", 0, 0.3)  # the loop's Stats.timed(finalize_model_grads)
     m = s.measure(iteration_s=1.0)
     return m.routing.tolist(), m.level_bytes, m.level_seconds, m.level_calls, m.compute_s
 
@@ -127,7 +128,8 @@ def test_one_min_all_reduce_gathers_rows_sums_bytes_and_takes_the_fastest_time()
     for routing, nbytes, secs, calls, compute in run_ranks(_measure_on_ranks, 2, timeout=120):
         assert routing == [[1, 2, 3, 4], [2, 4, 6, 8]]
         assert nbytes == {"dc": 3000.0} and secs == pytest.approx({"dc": 0.1}) and calls == {"dc": 1.0}
-        assert compute == pytest.approx(0.9)  # 1 s iterations minus 0.1 / 0.2 s in collectives: the slowest rank
+        # 1 s iterations minus 0.1 / 0.2 s of token all-to-all and 0.3 s of dense all-reduce: the slowest rank
+        assert compute == pytest.approx(0.6)
 
 
 def test_measured_compute_calibrates_the_cost_model_to_the_measured_step():
@@ -233,3 +235,37 @@ def test_skewed_routing_adopts_a_hot_replica_variant_of_a_prebuilt_plan():
         assert rt.plan.domains == ep.domains  # a variant of a prebuilt plan: same groups
         assert {e for e, _ in rt.plan.replicas.pairs} <= {0, 1}  # only the hot experts
         assert {(e, r) for e in (0, 1) for r in (2, 3)} <= set(rt.plan.replicas.pairs)  # DC 1's tokens cross the WAN
+
+
+def test_timed_phase_is_a_collective_record_outside_the_bandwidth_estimate():
+    """The training loop times finalize_model_grads with Stats.timed: it counts as communication
+    (subtracted from the wall time for compute), not as a blocking sample of a level's rate."""
+    stats = Stats()
+    with stats.timed("dense_grad_allreduce", nbytes=4000, level="dc"):
+        sum(range(10000))
+    secs = stats.seconds_by(phase="dense_grad_allreduce")
+    assert secs > 0 and stats.seconds_by() == secs
+    assert stats.bytes_by(phase="dense_grad_allreduce", level="dc") == 4000
+    assert stats.bytes_by(phase="dense_grad_allreduce", level="all") == 0  # bytes counted once, at the level
+    assert blocking_by_level(stats, ("dc",)) == ([0.0], [0.0], [0.0])
+    with pytest.raises(ValueError), stats.timed("dense_grad_allreduce"):
+        raise ValueError("a failing step is still timed")
+    assert stats.records[(-1, "dense_grad_allreduce", "dp", "all")].calls == 2
+
+
+def test_the_scheduler_prices_the_dense_all_reduce_from_the_measured_wan():
+    """Compute comes from the wall time minus the timed dense all-reduce; the prediction adds the
+    dense all-reduce back from the measured bandwidth (tier b's dense_grad_allreduce): a slower WAN
+    makes it slower by the rate ratio."""
+    from megatron_hybridep.plan.cost import CostModel
+
+    work = WORK.replace(dense_params=2_000_000)
+    preds = {}
+    for rate in (FAST, SLOW):
+        rt = FakeRuntime([ALL4, PAIRS], 0)
+        s = PlanScheduler(rt, TOPO, work, SchedulerConfig(interval=1, min_bytes=0, window=1))
+        s.update_estimates(dataclasses.replace(_m(rate), compute_s=0.3))
+        d = s.decide(0)
+        preds[rate] = CostModel(s.measured_topology(), work).evaluate(ALL4).phases["dense_grad_allreduce"]
+        assert d.replan.current_seconds > 0.3 + preds[rate] * 0.99
+    assert preds[SLOW] / preds[FAST] == pytest.approx(FAST / SLOW, rel=0.05)

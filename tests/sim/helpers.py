@@ -22,7 +22,7 @@ def two_level(dcs: int, per_dc: int, wan: float = 10.0, lan: float = 100.0, wan_
 
 def workload(E: int, **kw) -> Workload:
     base = dict(hidden_size=256, ffn_hidden_size=512, num_experts=E, top_k=min(2, E), num_moe_layers=2,
-                tokens_per_rank=1024, t_pre_ms=1.0, throughput_tflops=100.0)
+                tokens_per_rank=1024, t_pre_ms=1.0, throughput_tflops=100.0, dense_params=0)
     base.update(kw)
     return Workload(**base)
 

@@ -38,7 +38,7 @@ def test_one_configuration_prints_the_breakdown(capsys, tmp_path):
     out = capsys.readouterr().out
     assert rc == 0
     for text in ("domains dc2 gpu1", "token_a2a_fwd", "expert_allgather", "grad_return", "total", "tier-b model",
-                 "timeline", "every micro-batch"):
+                 "timeline", "gathered once per iteration"):
         assert text in out, text
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e["tid"] == 2 and e["name"] == "gather" for e in events)  # the async gathers

@@ -65,7 +65,7 @@ def test_where_the_runtime_order_departs_from_the_closed_form():
     topo = _topo(0.5)
 
     def run(sizes, **kw):
-        w = workload(8, **kw)
+        w = workload(8, borrowed_copies="microbatch", **kw)
         plan = domains(topo, 4, sizes, 8).with_replicas([(0, 1)])
         return simulate(topo, w, plan), evaluate(CostModel(topo, w), plan), block_time(topo, w, plan,
                                                                                        "replica_weights")
@@ -120,7 +120,8 @@ def test_replica_exchange_in_runtime_order():
     layer 0's MoE block in later micro-batches), waited before the dispatch; gradients back after
     the dispatch's transpose, before attention's backward; every micro-batch unless --gather iteration."""
     topo = _topo(0.5)
-    w = workload(8, num_moe_layers=2, micro_batches=2, compression_ratio=20, shared_sync_bytes_per_layer=1e5)
+    w = workload(8, num_moe_layers=2, micro_batches=2, compression_ratio=20, shared_sync_bytes_per_layer=1e5,
+                 borrowed_copies="microbatch")
     plan = domains(topo, 4, (2, 1), 8).with_replicas([(0, 1)])
     r = simulate(topo, w, plan)
     assert r.ops["replica_weights"].occurrences == 4 and r.ops["replica_grad_return"].occurrences == 4

@@ -59,17 +59,25 @@ def test_gather_hides_behind_compute_when_it_fits_and_is_exposed_when_not():
     assert r.phases["expert_allgather"] > 0.5 * r.ops["gather"].busy_seconds
 
 
-def test_runtime_gathers_every_micro_batch():
+def test_borrowed_copies_per_micro_batch_or_once_per_iteration():
     topo = two_level(2, 2)
     plan = domains(topo, 4, (2, 1), 8)
     w = workload(8, micro_batches=3, num_moe_layers=4, compression_ratio=20)
-    per_mb = simulate(topo, w, plan)
-    once = simulate(topo, w, plan, options=SimOptions(gather="iteration"))
+    per_mb = simulate(topo, w.replace(borrowed_copies="microbatch"), plan)
+    once = simulate(topo, w, plan)  # auto: no memory limit stated, the copies are kept
+    assert simulate(topo, w, plan, options=SimOptions(gather="micro-batch")).total == per_mb.total  # forced
     assert per_mb.ops["gather"].occurrences == 4 * 3 and once.ops["gather"].occurrences == 4
     assert per_mb.ops["grad_return"].occurrences == 4 * 3 and once.ops["grad_return"].occurrences == 4
     assert once.total < per_mb.total
     assert per_mb.traffic["dc"] > once.traffic["dc"]
     assert any("every micro-batch" in n for n in per_mb.notes)
+    assert any("once per iteration" in n for n in once.notes)
+    # the gradients return in the last micro-batch's backward, the gathers run in the first's forward
+    assert {s.micro_batch for s in once.timeline if s.name == "grad_return"} == {2}
+    assert {s.micro_batch for s in once.timeline if s.name == "gather"} == {0}
+    # WAN bytes per iteration do not grow with M in iteration mode (tokens stay inside DCs here)
+    more = simulate(topo, w.replace(micro_batches=6), plan)
+    assert more.traffic["dc"] == pytest.approx(once.traffic["dc"])
 
 
 def test_next_layers_gather_slows_this_layers_combine():
@@ -120,7 +128,7 @@ def test_replicated_plan_all_reduces_over_dcs():
     w = workload(8)
     r = simulate(topo, w, Plan.replicated((4, 2), 8, ("dc", "gpu")))
     k = 4
-    grad = (8 // 2) * w.expert_params * w.grad_bytes * w.num_moe_layers
+    grad = (8 // 2) * w.expert_params * w.main_grad_bytes * w.num_moe_layers  # fp32 main grads
     B = 10e9 / 8 / 2   # two GPUs of a DC share its uplink, one ring each
     assert r.phases["expert_grad_allreduce"] == pytest.approx(2 * (k - 1) / k * grad / B)
     assert r.phases["expert_allgather"] == 0 and r.traffic["dc"] > 0
@@ -169,7 +177,11 @@ def test_compressed_gradient_return_is_one_all_to_all_round():
         fast = simulate(two_level(4, 1, wan=10, lan=100), w, plan).ops["grad_return"]
         slow = simulate(topo, w, plan).ops["grad_return"]
         assert (slow.busy_seconds - fast.busy_seconds) / slow.occurrences == pytest.approx(rounds * lat_us * 1e-6)
-        assert fast.level_bytes["dc"] == pytest.approx(3 * w.grad_wire_bytes)  # (S-1) x own experts
+        # (S-1) x own experts; kept for the iteration (auto, no limit), the fp32 accumulator returns
+        assert fast.level_bytes["dc"] == pytest.approx(3 * w.returned_grad_bytes("iteration"))
+        acc = w.replace(micro_batches=2).returned_grad_bytes("iteration")  # the fp32 accumulator
+        assert w.returned_grad_bytes("iteration") == w.grad_wire_bytes and acc > w.grad_wire_bytes
+        assert ratio > 1 or acc == 2 * w.grad_wire_bytes
 
 
 def test_shared_expert_refresh_once_per_layer_per_step():
@@ -181,21 +193,46 @@ def test_shared_expert_refresh_once_per_layer_per_step():
     assert "shared_sync" not in simulate(topo, w, domains(topo, 4, (1, 1), 8)).ops  # plain EP: no codec
 
 
+@pytest.mark.parametrize("mode", ["iteration", "microbatch"])
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("comp", [1.0, 20.0])
 @pytest.mark.parametrize("sizes", [(1, 1), (2, 1), (2, 2), "replicated"])
 @pytest.mark.parametrize("lan", [1e6, 0.5])
-def test_tier_b_is_the_closed_form_of_the_runtime_schedule(sizes, comp, m, lan):
+def test_tier_b_is_the_closed_form_of_the_runtime_schedule(sizes, comp, m, lan, mode):
     """With no latency, on 2 DCs x 2 (a plan's gathers and all-to-alls never share a link level),
-    tier b (plan/cost.py) and the simulator agree per phase: lan=0.5 Gbit/s makes the intra-DC
-    all-to-alls a gather overlaps take real time (cover), lan=1e6 makes them free. The testbed's
-    shape: DC uplinks, ranks of a DC joined by links without a per-rank uplink."""
+    tier b (plan/cost.py) and the simulator agree per phase, in both borrowed-copies modes and with
+    the dense gradient all-reduce: lan=0.5 Gbit/s makes the intra-DC all-to-alls a gather overlaps
+    take real time (cover), lan=1e6 makes them free. The testbed's shape: DC uplinks, ranks of a DC
+    joined by links without a per-rank uplink."""
     topo = Topology((Level("dc", 2, 0.05, 0.0, 0.05), Level("gpu", 2, lan, 0.0, None)), name="2x2")
     w = workload(8, micro_batches=m, compression_ratio=comp, grad_compression_ratio=comp,
-                 shared_sync_bytes_per_layer=1e5 if comp > 1 else 0.0, t_pre_ms=0.5)
+                 shared_sync_bytes_per_layer=1e5 if comp > 1 else 0.0, t_pre_ms=0.5, borrowed_copies=mode,
+                 dense_params=50_000)
     plan = Plan.replicated((2, 2), 8, ("dc", "gpu")) if sizes == "replicated" else domains(topo, 4, sizes, 8)
     sim = simulate(topo, w, plan)
     tb = CostModel(topo, w).evaluate(plan)
-    assert tb.total > 0
+    assert tb.total > 0 and tb.phases["dense_grad_allreduce"] > 0
+    assert sim.ops["dense_grad_allreduce"].occurrences == 1
     for ph in PHASES:
         assert sim.phases[ph] == pytest.approx(tb.phases[ph], rel=1e-6, abs=1e-9), ph
+
+
+def test_dense_gradient_all_reduce_is_a_ring_over_the_data_parallel_group():
+    """Megatron's finalize_model_grads all-reduces the dense main grads over the data-parallel group:
+    2 (k-1)/k of the buffer over the slowest ring edge (the DC uplink here), once per iteration,
+    whatever the plan and the micro-batches; TP shrinks the buffer and the group."""
+    topo = two_level(2, 4, wan=1.0, lan=100.0)
+    B = 1.0 * 1e9 / 8
+    w = workload(8, dense_params=1_000_000, micro_batches=4)
+    buf = 1_000_000 * w.main_grad_bytes
+    for plan in (domains(topo, 8, (1, 1), 8), domains(topo, 8, (2, 1), 8), Plan.replicated((2, 4), 8, ("dc", "gpu"))):
+        r = simulate(topo, w, plan)
+        tb = CostModel(topo, w).evaluate(plan)
+        # ring over 8 ranks in rank order: two edges cross the WAN, one per direction per DC uplink
+        assert r.phases["dense_grad_allreduce"] == pytest.approx(2 * 7 / 8 * buf / B, rel=1e-6)
+        assert tb.phases["dense_grad_allreduce"] == pytest.approx(r.phases["dense_grad_allreduce"], rel=1e-6)
+    tp2 = CostModel(topo, w.replace(tensor_model_parallel_size=2)).evaluate(domains(topo, 8, (1, 1), 8))
+    # 4 ranks per TP rank, each holding half the buffer: 2 * 3/4 * buf/2, two TP rings share the uplink
+    assert tp2.phases["dense_grad_allreduce"] == pytest.approx(2 * 2 * 3 / 4 * buf / 2 / B, rel=1e-6)
+    none = simulate(topo, w, domains(topo, 8, (1, 1), 8), options=SimOptions(dense_grad_bytes=0.0))
+    assert "dense_grad_allreduce" not in none.ops
