@@ -228,7 +228,7 @@ def simulate_points(root: str, e: Experiment, bandwidths: Sequence[float] | None
 
 # ---- the table ----------------------------------------------------------------------------------------------
 def _range(v: Sequence[float]) -> str:
-    return f"{min(v):.2f}x-{max(v):.2f}x"
+    return f"{min(v):.3f}x-{max(v):.3f}x"
 
 
 def _yes(b: bool | None) -> str:
@@ -253,7 +253,8 @@ def table(root: str, orig_sim: dict[str, Sequence[float]] | None = None) -> list
             "original": (f"S={co['S']:g}, p={co['p']:.3f}, r={co['r']:.3f}, AG/T_pre={co['ag_over_tpre']:.3g} -> "
                          f"{orig_res}"),
             "derived": (f"S={cd['S']:g}, p={cd['p']:.3f}, r={cd['r']:.2f}, AG/T_pre={cd['ag_over_tpre']:.2f}, "
-                        f"P/D={cd['P_over_D']:.2e} -> {_range(der[claim].speedups(1000))}"),
+                        f"P/D={cd['P_over_D']:.2e} (T_pre {der[claim].inputs.t_pre * 1e3:.0f} ms, "
+                        f"P {der[claim].inputs.P / 1e3:.1f} kB) -> {_range(der[claim].speedups(1000))}"),
             "trend_bw": f"original {_yes(to['lower_bw_larger'])}, derived {_yes(td['lower_bw_larger'])}",
             "trend_dcs": (f"original {_yes(to.get('more_dcs_larger'))}, derived {_yes(td.get('more_dcs_larger'))}"
                           if claim == "fixed-p" else "- (fixed S: falls with N by design)"),
@@ -280,3 +281,26 @@ def markdown_table(rows: Sequence[dict[str, str]]) -> str:
     out = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     out += ["| " + " | ".join(r[k] for k in keys) + " |" for r in rows]
     return "\n".join(out)
+
+
+def simulate_neighbourhood_points(root: str, e: Experiment, N: int = 13,
+                                  bandwidths: Sequence[float] = SIM_BANDWIDTHS) -> list[dict[str, Any]]:
+    """The experiment's p as a neighbourhood plan (sim/neighbourhood.py, explicit flows: small N),
+    e.g. p = 0.25 at 13 DCs (S = 10), which no equal-domain plan has."""
+    from megatron_hybridep.sim.neighbourhood import simulate_neighbourhood
+
+    topo, w0 = repro_topology(root), sim_workload(root, e.inputs)
+    S = int(e.S(N))
+    rows = []
+    for b in bandwidths:
+        t = scaled_topology(topo, N, b)
+        w = w0.replace(num_experts=t.world_size, top_k=min(w0.top_k, t.world_size), routing_counts=None)
+        hy, ep = (simulate_neighbourhood(t, w, s, PAPER_FORWARD) / (w.num_moe_layers * w.micro_batches)
+                  for s in (S, 1))
+        B = gbps(b)
+        rows.append({"reading": "derived", "claim": e.claim, "dcs": N, "wan_gbps": b, "S_dc": S, "p": p_of(N, S),
+                     "equal_domains": N % S == 0, "on_line": True, "plan": "neighbourhood",
+                     "speedup_closed_form": speedup(N, S, e.inputs, b), "speedup_sim": ep / hy,
+                     "layer_sim_s": hy, "layer_closed_form_s": layer_time(N, S, e.inputs, B)[0],
+                     "ep_layer_sim_s": ep, "ep_layer_closed_form_s": layer_time(N, 1, e.inputs, B)[0]})
+    return rows

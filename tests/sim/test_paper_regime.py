@@ -100,7 +100,7 @@ def test_cli_prints_the_claims_table(capsys, tmp_path, monkeypatch):
     out = capsys.readouterr().out
     assert rc == 0
     for text in ("fixed-domain: paper 1.05x-1.45x", "fixed-p: paper 1.31x-3.76x", "needs (stream model)",
-                 "regime meeting the conditions", "S=750, p=0.250", "-> 1.31x-3.76x", "-> 1.05x-1.46x",
+                 "regime meeting the conditions", "S=750, p=0.250", "-> 1.310x-3.757x", "-> 1.050x-1.457x",
                  "lower BW -> larger?              original NO, derived yes",
                  "more DCs at fixed p -> larger?   original NO, derived yes"):
         assert text in out, text
@@ -110,3 +110,40 @@ def test_cli_prints_the_claims_table(capsys, tmp_path, monkeypatch):
     for name in ("paper_repro_fixed_domain.png", "paper_repro_fixed_p.png"):
         assert (tmp_path / name).stat().st_size > 1000
     assert "| fixed-p | 1.31x-3.76x |" in (tmp_path / "paper_repro_claims.md").read_text()
+
+
+def test_neighbourhood_plans_reach_the_papers_p_and_match_the_closed_form(regimes):
+    """p = 0.25 exactly (13 DCs, each holding the experts of 10): simulated flow by flow = closed form."""
+    _, der = regimes
+    rows = pr.simulate_neighbourhood_points(ROOT, der["fixed-p"], 13, (1.0, 100.0))
+    assert {r["p"] for r in rows} == {0.25}
+    for r in rows:
+        assert r["layer_sim_s"] == pytest.approx(r["layer_closed_form_s"], rel=1e-9)
+        assert r["ep_layer_sim_s"] == pytest.approx(r["ep_layer_closed_form_s"], rel=1e-9)
+    assert rows[0]["speedup_sim"] > rows[1]["speedup_sim"] > 1   # lower bandwidth, larger speed-up
+
+
+def test_neighbourhood_compute_ranks():
+    from megatron_hybridep.sim.neighbourhood import compute_ranks
+
+    c = compute_ranks(4, 2, 3)            # DC d holds DCs d, d+1, d+2 (mod 4)
+    assert c[0, 2 * 2 + 1] == 1           # DC 0 -> expert of (2, 1): in the neighbourhood, GPU 1 of DC 0
+    assert c[0, 3 * 2 + 0] == 6           # DC 3 is not: the owner
+    assert (compute_ranks(4, 2, 1) == __import__("numpy").arange(8)[None, :]).all()   # S = 1: plain EP
+    with pytest.raises(PlanError, match="neighbourhood size"):
+        compute_ranks(4, 2, 5)
+
+
+def test_runtime_refuses_neighbourhood_plans_before_any_collective(tmp_path):
+    """The dispatcher runs domains that partition the ranks; a neighbourhood plan file fails at load
+    (megatron/planning.py loads --hybridep-plan files before any group is built) with one line."""
+    import json
+
+    d = json.loads(Plan.grid((4, 2), (2, 1), 8).to_json())
+    d["kind"] = "neighbourhood"
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlanError) as err:
+        Plan.load(str(path))
+    msg = str(err.value)
+    assert "simulated only" in msg and "fix:" in msg and "\n" not in msg
