@@ -88,7 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "default: the model's experts, largest EP group that fits")
     sweep.add_argument("--experts-per-rank", type=int, default=1, metavar="N", help="with --ep-span all (default 1)")
     sweep.add_argument("--paper-repro", action="store_true",
-                       help="the paper's 1000-DC experiments (fixed domain size, fixed p) vs EP; prints the table")
+                       help="the paper's 1000-DC experiments (fixed domain size, fixed p) vs EP: our first reading "
+                            "simulated, then per claim the conditions derived from the stream model, the regime "
+                            "that meets them, trends and Fig. 17-like plots (docs/paper_reproduction.md)")
     sweep.add_argument("--csv", metavar="FILE", help="write sweep rows here")
     sweep.add_argument("--png", metavar="FILE", help="write a figure here (sweeps: speed-up vs DCs; one "
                                                      "configuration: its timeline)")
