@@ -84,6 +84,10 @@ class Plan:
         return cls("replicated", names, counts, (counts[0],) + (1,) * (len(counts) - 1), num_experts)
 
     def _check(self) -> None:
+        if self.kind == "neighbourhood":  # sim/neighbourhood.py: any p = k/(G-1), overlapping holders
+            raise PlanError("plan.kind: 'neighbourhood' plans (p = k/(G-1), sim/neighbourhood.py) are simulated "
+                            "only; the dispatcher needs domains that partition the ranks; fix: use kind "
+                            "'domains' with each S dividing its level count")
         if self.kind not in KINDS:
             raise PlanError(f"plan.kind: unknown kind {self.kind!r}; fix: use one of {', '.join(KINDS)}")
         n = len(self.level_counts)

@@ -89,7 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "default: the model's experts, largest EP group that fits")
     sweep.add_argument("--experts-per-rank", type=int, default=1, metavar="N", help="with --ep-span all (default 1)")
     sweep.add_argument("--paper-repro", action="store_true",
-                       help="the paper's 1000-DC experiments (fixed domain size, fixed p) vs EP; prints the table")
+                       help="the paper's 1000-DC experiments (fixed domain size, fixed p) vs EP: our first reading "
+                            "simulated, then per claim the conditions derived from the stream model, the regime "
+                            "that meets them, trends and Fig. 17-like plots (docs/paper_reproduction.md)")
     sweep.add_argument("--csv", metavar="FILE", help="write sweep rows here")
     sweep.add_argument("--png", metavar="FILE", help="write a figure here (sweeps: speed-up vs DCs; one "
                                                      "configuration: its timeline)")
@@ -357,10 +359,49 @@ def run_paper_repro(args: argparse.Namespace) -> int:
                   PAPER_CLAIMS)
     took = time.perf_counter() - t0
     top = max(kw.get("dcs", (1000,)))
+    print("original reading, simulated:")
     print(format_table(repro_table(rows, top), ["full", "forward"]))
     print(f"\nfull = forward + backward (gradient return included); forward = the paper's stream model terms "
           f"(forward only, gather behind T_pre). At {top} DCs.")
     print(f"simulated {sum(len(r) for r in rows.values())} rows in {took:.1f} s; wrote {out}/paper_repro_*.csv, *.png")
+    print()
+    orig_sim = {c: [float(r["speedup_vs_ep"]) for r in rows["forward"] if r["dcs"] == top and r["speedup_vs_ep"] != ""
+                    and r["policy"].startswith(c)] for c in PAPER_CLAIMS} if top == 1000 else None
+    return run_claims(out, orig_sim)
+
+
+def run_claims(out: str, orig_sim: dict[str, list[float]] | None) -> int:
+    """The paper's two claims: conditions derived from the stream model, both readings, trends, Fig. 17."""
+    from megatron_hybridep.sim import paper_regime as pr
+    from megatron_hybridep.sim.paper import PAPER_CLAIMS
+    from megatron_hybridep.sim.plot import fig17_png
+    from megatron_hybridep.sim.sweep import write_csv
+
+    t0 = time.perf_counter()
+    org, der = pr.original(ROOT), pr.derived(ROOT)
+    rows: list[dict[str, Any]] = []
+    for claim in ("fixed-domain", "fixed-p"):
+        mine = pr.closed_form_rows(org[claim], "original") + pr.closed_form_rows(der[claim], "derived")
+        sim = pr.simulate_points(ROOT, der[claim], pr.SIM_BANDWIDTHS)
+        nb = pr.simulate_neighbourhood_points(ROOT, der[claim]) if claim == "fixed-p" else []
+        sim += nb
+        worst = max(abs(r["speedup_sim"] / r["speedup_closed_form"] - 1) for r in sim)
+        print(f"{claim}: simulator vs closed form in the derived regime, {len(sim) - len(nb)} equal-domain points"
+              + (f" + {len(nb)} neighbourhood points (p = {nb[0]['p']:.3f} at {nb[0]['dcs']} DCs)" if nb else "")
+              + f": worst |rel. diff| {worst:.1e}")
+        mine += sim
+        fig17_png(mine, os.path.join(out, f"paper_repro_{claim.replace('-', '_')}.png"),
+                  f"{claim}: speed-up over EP vs DCs (lines: closed form; x: simulator where domains are equal)",
+                  PAPER_CLAIMS[claim])
+        rows += mine
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    write_csv([{k: r.get(k, "") for k in keys} for r in rows], os.path.join(out, "paper_repro_claims.csv"))
+    table = pr.table(ROOT, orig_sim)
+    with open(os.path.join(out, "paper_repro_claims.md"), "w", encoding="utf-8") as f:
+        f.write(pr.markdown_table(table) + "\n")
+    print(pr.format_claims(table))
+    print(f"claims in {time.perf_counter() - t0:.1f} s; wrote {out}/paper_repro_claims.csv, paper_repro_claims.md, "
+          "paper_repro_fixed_domain.png, paper_repro_fixed_p.png")
     return 0
 
 

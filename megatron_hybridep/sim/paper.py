@@ -20,6 +20,7 @@ return). Under any reading where tokens that leave a domain cross the WAN, a fix
 can cut WAN token bytes by at most S / N, so its speed-up at N DCs is at most N / (N - S): 1.004x for
 S = 4 at N = 1000. The paper's 1.45x needs S >= 0.31 N; its 3.76x at fixed p needs p <= 0.27 and an
 expert payload below ~1/(17 G) of the token traffic (G = EP ranks). The table says where we land.
+sim/paper_regime.py derives the regime that meets the claims' conditions (docs/paper_reproduction.md).
 """
 
 from __future__ import annotations

@@ -110,3 +110,42 @@ def agreement_png(points: Sequence[dict[str, float]], path: str, title: str = ""
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)
+
+
+def fig17_png(rows: Sequence[dict[str, Any]], path: str, title: str = "",
+              claim: tuple[float, float] | None = None) -> None:
+    """Like the paper's Fig. 17: speed-up over EP vs DCs, one line per bandwidth (closed form), one panel
+    per reading; simulated points (equal domains) that lie on a line as crosses in its colour."""
+    plt = _pyplot()
+    readings = list(dict.fromkeys(r["reading"] for r in rows))
+    fig, axes = plt.subplots(1, len(readings), figsize=(5.2 * len(readings), 3.9), squeeze=False)
+    for ax, reading in zip(axes[0], readings, strict=True):
+        mine = [r for r in rows if r["reading"] == reading]
+        bws = sorted({float(r["wan_gbps"]) for r in mine})
+        cmap = plt.get_cmap("viridis")
+        for i, bw in enumerate(bws):
+            color = cmap(i / max(1, len(bws) - 1))
+            line = sorted((int(r["dcs"]), float(r["speedup_closed_form"])) for r in mine
+                          if float(r["wan_gbps"]) == bw and r["speedup_sim"] == "")
+            if line:
+                ax.plot([p[0] for p in line], [p[1] for p in line], marker="o", ms=3, color=color,
+                        label=f"{bw:g} Gbit/s")
+            sim = [(int(r["dcs"]), float(r["speedup_sim"])) for r in mine  # only points on the plotted lines
+                   if float(r["wan_gbps"]) == bw and r["speedup_sim"] != "" and r.get("on_line", True)]
+            if sim:
+                ax.scatter([p[0] for p in sim], [p[1] for p in sim], marker="x", s=40, color=color, zorder=3)
+        if claim:
+            ax.axhspan(*claim, color="red", alpha=0.12, label="paper @1000 DCs")
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("data centres")
+        ax.set_ylabel("speed-up over EP")
+        ax.set_title(reading, fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    _save(fig, path)
+    plt.close(fig)
