@@ -30,3 +30,12 @@ def test_loop_overhead_commands_parse(capsys):
     for system in ("alltoall", "hybridep"):
         assert (f"# {system}: parsed: dispatcher={system} ep=1 bf16=True distributed_optimizer=True "
                 "transformer_impl=local") in out
+
+
+def test_codec_benchmark_runs_its_logic_on_cpu(capsys):
+    codec = _load("gpu_codec")
+    assert codec.model_sizes() == {"deepseek-v3-like": 44_040_192, "paper-l/xl": 8_388_608, "paper-m": 4_718_592,
+                                   "paper-s": 2_097_152}
+    assert codec.main(["--device", "cpu", "--sizes", "5000", "--ratios", "10", "--repeats", "1", "--rows", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "$ python benchmarks/gpu_codec.py --device cpu" in out and "  5000 " in out
