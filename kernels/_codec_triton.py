@@ -159,8 +159,10 @@ def _hist_programs(ntiles: int, device: torch.device) -> int:
     return min(ntiles, 4)  # interpreter: programs run one after another anyway
 
 
-def _radix_select(w: torch.Tensor, s: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T as int32[1], how many entries equal to T to take as int64[]), all on the device."""
+def _radix_select(w: torch.Tensor, s: torch.Tensor | None, k: int,
+                  first_hist: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T as int32[1], how many entries equal to T to take as int64[]), all on the device.
+    ``first_hist``: the top digit's histogram, already counted (by a fused optimizer step)."""
     n = w.numel()
     dev = w.device
     prefix = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -169,10 +171,13 @@ def _radix_select(w: torch.Tensor, s: torch.Tensor | None, k: int) -> tuple[torc
     ntiles = triton.cdiv(n, HIST_TILE)
     grid = (_hist_programs(ntiles, dev),)
     for shift in (24, 16, 8, 0):
-        hist.zero_()
-        hi_mask = (0x7FFFFFFF >> (shift + 8)) << (shift + 8)
-        _radix_hist_kernel[grid](w, w if s is None else s, prefix, hist, n, ntiles,
-                                 SHIFT=shift, HI_MASK=hi_mask, HAS_SHARED=s is not None, BLOCK=HIST_TILE)
+        if shift == 24 and first_hist is not None:
+            hist.copy_(first_hist)
+        else:
+            hist.zero_()
+            hi_mask = (0x7FFFFFFF >> (shift + 8)) << (shift + 8)
+            _radix_hist_kernel[grid](w, w if s is None else s, prefix, hist, n, ntiles,
+                                     SHIFT=shift, HI_MASK=hi_mask, HAS_SHARED=s is not None, BLOCK=HIST_TILE)
         tail = hist.flip(0).cumsum(0).flip(0)  # tail[d] = #(digit >= d)
         d = (tail >= krem).sum() - 1  # the digit holding the krem-th largest
         above = torch.nn.functional.pad(tail, (0, 1)).gather(0, (d + 1).view(1)).squeeze(0)
@@ -189,11 +194,12 @@ def residual_topk_encode(
     values: torch.Tensor,
     offsets: torch.Tensor,
     counts: torch.Tensor,
+    first_hist: torch.Tensor | None = None,
 ) -> None:
     w = _flat(weight)
     s = None if shared is None else _flat(shared)
     n = w.numel()
-    thr, need_eq = _radix_select(w, s, k)
+    thr, need_eq = _radix_select(w, s, k, first_hist)
     ntiles = triton.cdiv(n, TILE)
     ngt = torch.empty(ntiles, dtype=torch.int32, device=w.device)
     neq = torch.empty(ntiles, dtype=torch.int32, device=w.device)

@@ -170,6 +170,7 @@ def residual_topk_encode(
     counts: torch.Tensor,
     *,
     backend: Backend = "auto",
+    first_hist: torch.Tensor | None = None,
 ) -> None:
     """Select the top-k of |weight - shared| and write (values, offsets, counts) in place.
 
@@ -177,12 +178,18 @@ def residual_topk_encode(
     values: [k] float32/bfloat16/float16. offsets: [k] uint8 (block_bits 8), uint16 (16) or
     int32 (32 = one block, offsets are absolute indices). counts: [ceil(numel / 2**block_bits)]
     uint16 (8) or int32 (16, 32). See the module docstring for the exact selection rule.
+    ``first_hist``: int32[256] histogram of bits 24..30 of the magnitudes, counted by a fused
+    optimizer step (kernels/fused_codec.py); the Triton backend then skips its first pass.
+    Results are the same with or without it; the torch backend ignores it.
     """
     _check_encode(weight, shared, k, block_bits, values, offsets, counts)
+    if first_hist is not None and (first_hist.numel() != 256 or first_hist.dtype != torch.int32):
+        raise ValueError(f"first_hist must be int32[256], got {first_hist.dtype}{tuple(first_hist.shape)}")
     if _pick(backend, weight) == "triton":
         from kernels import _codec_triton
 
-        _codec_triton.residual_topk_encode(weight, shared, k, block_bits, values, offsets, counts)
+        _codec_triton.residual_topk_encode(weight, shared, k, block_bits, values, offsets, counts,
+                                           first_hist=first_hist)
     else:
         residual_topk_encode_torch(weight, shared, k, block_bits, values, offsets, counts)
 

@@ -1,12 +1,12 @@
 """On a CUDA machine: the CPU runtime stays off, and a hybridep MoE layer (EP=1, one process,
-NCCL) gives Megatron's alltoall results on the GPU. CI has no GPU and skips this file."""
+NCCL) gives Megatron's alltoall results on the GPU. Marked gpu: skipped without CUDA, `pytest -m gpu` runs it."""
 
 import os
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 def test_hybridep_layer_on_gpu_matches_alltoall(monkeypatch):

@@ -38,3 +38,23 @@ def check_megatron_version() -> Version:
             f"tested: {TESTED}). Fix: pip install 'megatron-core=={TESTED}'"
         )
     return v
+
+
+def transformer_engine_version() -> Version | None:
+    """TransformerEngine's version (the `gpu` extra), or None when it is not importable."""
+    try:
+        import transformer_engine
+    except Exception:  # noqa: BLE001 - a broken build (e.g. compiled for another torch) counts as absent
+        return None
+    try:
+        return Version(version("transformer-engine"))
+    except PackageNotFoundError:  # a source build may carry only the module's own version
+        return Version(str(getattr(transformer_engine, "__version__", "0")).split("+")[0])
+
+
+def check_transformer_impl(transformer_impl: str) -> None:
+    """Fail before any collective when the chosen layer implementation cannot be built here."""
+    if transformer_impl == "transformer_engine" and transformer_engine_version() is None:
+        raise ImportError(
+            "--transformer-impl transformer_engine needs TransformerEngine, which is not importable. "
+            "Fix: pip install --no-build-isolation '.[gpu]' (docs/gpu.md), or pass --transformer-impl local")

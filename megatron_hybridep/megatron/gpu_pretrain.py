@@ -165,7 +165,9 @@ def pretrain(args: argparse.Namespace) -> int:
     from megatron.training.training import pretrain as megatron_pretrain
 
     from megatron_hybridep.megatron import register
+    from megatron_hybridep.megatron.compat import check_transformer_impl
 
+    check_transformer_impl(args.transformer_impl)  # before Megatron initialises anything
     register()
     _after_each_step()
     _hybridep_in_every_parser()

@@ -273,11 +273,13 @@ def encode(
     *,
     out: torch.Tensor | None = None,
     backend: Backend = "auto",
+    first_hist: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Encode ``weight`` against ``shared`` (None = zeros) into a flat uint8 payload.
 
     ``out`` (flat uint8, layout.nbytes) lets callers encode straight into their slot of an
-    all-gather buffer. DENSE layouts ignore ``shared`` and copy the weight.
+    all-gather buffer. DENSE layouts ignore ``shared`` and copy the weight. ``first_hist``: the
+    radix select's first histogram, counted by a fused optimizer step (kernels/fused_codec.py).
     """
     if weight.numel() != layout.numel:
         raise ValueError(f"weight has {weight.numel()} elements, layout expects {layout.numel}")
@@ -288,7 +290,7 @@ def encode(
     else:
         residual_topk_encode(weight.contiguous(), None if shared is None else shared.contiguous(), layout.k,
                              layout.scheme.block_bits, views.values, views.offsets, views.counts,
-                             backend=backend)
+                             backend=backend, first_hist=first_hist)
     _zero_padding(payload, layout)
     return payload
 
@@ -385,11 +387,12 @@ class SharedResidualCodec:
         return self.layout(numel, weight_dtype).nbytes
 
     def encode(self, weight: torch.Tensor, shared: torch.Tensor | None = None, *,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, first_hist: torch.Tensor | None = None) -> torch.Tensor:
         lay = self.layout(weight.numel(), weight.dtype)
         if self.use_shared and shared is None and not lay.dense:
             raise ValueError("this codec needs the shared expert (or construct it with use_shared=False)")
-        return encode(weight, shared if self.use_shared else None, lay, out=out, backend=self.backend)
+        return encode(weight, shared if self.use_shared else None, lay, out=out, backend=self.backend,
+                      first_hist=first_hist)
 
     def decode(self, payload: torch.Tensor, shared: torch.Tensor | None = None, *,
                out: torch.Tensor | None = None, shape: Sequence[int] | None = None,
@@ -418,11 +421,13 @@ class SharedResidualCodec:
 
 
     def encode_batch(self, weights: torch.Tensor | Sequence[torch.Tensor], shared: torch.Tensor | None = None,
-                     *, out: torch.Tensor | None = None) -> torch.Tensor:
+                     *, out: torch.Tensor | None = None, first_hists: torch.Tensor | None = None) -> torch.Tensor:
         """Encode E same-shaped experts into one flat uint8 buffer of E slots of ``nbytes`` each
         (slot e = expert e; slots stay 16-byte aligned), e.g. the input of a domain all-gather.
         ``weights``: a [E, ...] tensor (such as a view of a rank's flat expert buffer) or a list.
-        ``shared``: one tensor for all experts, or one per expert ([E, ...], e.g. each peer's copy)."""
+        ``shared``: one tensor for all experts, or one per expert ([E, ...], e.g. each peer's copy).
+        ``first_hists``: [E, 256] int32 from kernels.fused_codec.adamw_step_hist (the optimizer step
+        fused with the encode's first pass; it must have used the same base as ``shared``)."""
         ws = list(weights.unbind(0)) if isinstance(weights, torch.Tensor) else list(weights)
         if not ws:
             raise ValueError("no experts to encode")
@@ -431,7 +436,8 @@ class SharedResidualCodec:
         if buf.numel() != len(ws) * nb:
             raise ValueError(f"out has {buf.numel()} bytes, {len(ws)} experts need {len(ws) * nb}")
         for e, w in enumerate(ws):
-            self.encode(w, _per_expert(shared, e, w), out=buf[e * nb:(e + 1) * nb])
+            self.encode(w, _per_expert(shared, e, w), out=buf[e * nb:(e + 1) * nb],
+                        first_hist=None if first_hists is None else first_hists[e])
         return buf
 
     def decode_batch(self, payloads: torch.Tensor, shared: torch.Tensor | None = None, *,
@@ -446,6 +452,32 @@ class SharedResidualCodec:
         for e in range(e_count):
             self.decode(flat[e * nb:(e + 1) * nb], _per_expert(shared, e, out[e]), out=out[e], src_dtype=src_dtype)
         return out
+
+    def decode_rows(self, payloads: torch.Tensor, base: torch.Tensor, *, out: torch.Tensor,
+                    shift: torch.Tensor | None = None) -> torch.Tensor:
+        """Fused form of ``decode_batch(payloads, base + shift, out=out)`` for R rows (a layer's
+        borrowed experts, all peers): one kernel launch, one pass over base, no rebased copy.
+        base, out: [R, n] (base may be out); shift: [n] in base's dtype (the shared expert's
+        change since the copies were built) or None. Bit-equal to the unfused path (tested)."""
+        from kernels.fused_codec import decode_rows
+
+        rows = out.shape[0]
+        lay = self.layout(out[0].numel(), out.dtype)
+        flat = payloads.reshape(-1)
+        if flat.numel() != rows * lay.nbytes:
+            raise ValueError(f"payloads have {flat.numel()} bytes, {rows} rows need {rows * lay.nbytes}")
+        if lay.dense or not self.use_shared:
+            b = base if shift is None else base + shift.reshape(1, -1)
+            return self.decode_batch(payloads, b if self.use_shared else None, out=out)
+        p2 = flat.view(rows, lay.nbytes)
+
+        def cols(at: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+            return p2[:, at:at + count * _itemsize(dtype)].view(dtype)
+
+        return decode_rows(base.reshape(rows, -1), cols(lay.values_at, lay.k, lay.value_dtype),
+                           cols(lay.offsets_at, lay.k, lay.offset_dtype),
+                           cols(lay.counts_at, lay.nblocks, lay.count_dtype), lay.scheme.block_bits,
+                           out.view(rows, -1), shift=shift, backend=self.backend)
 
 
 def _per_expert(shared: torch.Tensor | None, e: int, like: torch.Tensor) -> torch.Tensor | None:

@@ -72,26 +72,44 @@ def transformer_config(spec: MoESpec, **overrides: object):  # noqa: ANN201 - Tr
     return TransformerConfig(**kwargs)
 
 
-def build_moe_layer(spec: MoESpec, ep_rank: int, ep_size: int, **config_overrides: object):  # noqa: ANN201
-    """A Megatron MoE layer (local spec, SequentialMLP) holding this EP rank's slice of the
-    global weights. Model parallel state must be initialised by the caller."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def build_moe_layer(spec: MoESpec, ep_rank: int, ep_size: int, *, grouped_gemm: bool = False,  # noqa: ANN201
+                    transformer_engine: bool = False, **config_overrides: object):
+    """A Megatron MoE layer holding this EP rank's slice of the global weights: the local spec's
+    SequentialMLP by default; ``grouped_gemm`` with ``transformer_engine`` gives TEGroupedMLP
+    (megatron-core 0.19 has no non-TE grouped experts: the local backend then builds SequentialMLP).
+    Model parallel state must be initialised by the caller."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
+    if grouped_gemm:
+        config_overrides.setdefault("moe_grouped_gemm", True)
     config = transformer_config(spec, **config_overrides)
-    layer_spec = get_gpt_layer_local_spec(num_experts=spec.experts, moe_grouped_gemm=False)
-    layer = layer_spec.submodules.mlp(config=config)
+    build = get_moe_module_spec(use_te=transformer_engine, num_experts=spec.experts, moe_grouped_gemm=grouped_gemm)
+    layer = build(config=config)
     load_global_weights(layer, global_weights(spec), ep_rank, ep_size)
     return layer
+
+
+def expert_weights(layer: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(fc1, fc2) weight of each local expert: SequentialMLP's local_experts.<i> or grouped-GEMM
+    experts' weight<i> (TEGroupedMLP)."""
+    experts = layer.experts
+    if hasattr(experts, "local_experts"):
+        return [(e.linear_fc1.weight, e.linear_fc2.weight) for e in experts.local_experts]
+    fc1, fc2 = experts.linear_fc1, experts.linear_fc2
+    if getattr(fc1, "weight0", None) is None:
+        raise ValueError(f"{type(experts).__name__}: expected per-expert weight<i> parameters (TE GroupedLinear "
+                         "without single_grouped_weight)")
+    return [(getattr(fc1, f"weight{i}"), getattr(fc2, f"weight{i}")) for i in range(experts.num_local_experts)]
 
 
 def load_global_weights(layer: torch.nn.Module, w: GlobalWeights, ep_rank: int, ep_size: int) -> None:
     n_local = w.fc1.shape[0] // ep_size
     with torch.no_grad():
         layer.router.weight.copy_(w.router)
-        for i, expert in enumerate(layer.experts.local_experts):
+        for i, (fc1, fc2) in enumerate(expert_weights(layer)):
             e = ep_rank * n_local + i
-            expert.linear_fc1.weight.copy_(w.fc1[e])
-            expert.linear_fc2.weight.copy_(w.fc2[e])
+            fc1.copy_(w.fc1[e])
+            fc2.copy_(w.fc2[e])
 
 
 def reference_moe(x: torch.Tensor, w: GlobalWeights, topk: int, aux_loss_coeff: float = 0.0,

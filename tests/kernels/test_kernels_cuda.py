@@ -1,11 +1,11 @@
 """The Triton codec kernels on a real GPU, against the torch reference on the same device
-(sizes up to the paper's 8.4M-parameter experts). Needs CUDA: CI has no GPU and skips this file;
-run it on a GPU machine with `pytest tests/kernels/test_kernels_cuda.py -s`."""
+(sizes up to the paper's 8.4M-parameter experts). Marked gpu: skipped without CUDA; on a GPU
+machine `pytest -m gpu tests/kernels/test_kernels_cuda.py -s`."""
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 from kernels import codec as C  # noqa: E402
 from megatron_hybridep.runtime.compression import ErrorFeedbackTopK, SharedResidualCodec  # noqa: E402

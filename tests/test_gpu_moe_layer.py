@@ -1,0 +1,124 @@
+"""On one GPU: the hybridep MoE layer with grouped-GEMM experts (TEGroupedMLP when TransformerEngine
+imports; otherwise Megatron's local experts, since megatron-core 0.19 has no non-TE grouped MLP),
+bf16, equals Megatron's alltoall EP on 2 and 4 ranks.
+
+One GPU holds one NCCL rank, so the ranks share GPU 0 and talk over gloo with CUDA tensors (the
+shared harness run_ranks). This checks the CUDA compute path (TE kernels, bf16, Megatron's CUDA
+streams and device-to-host syncs in the dispatcher) and the collectives' semantics on device
+tensors; it does not exercise NCCL (docs/gpu.md says what that leaves open).
+
+Tolerance: bf16 differs from exact math anyway, so both systems are measured against a float64
+reference with the same bf16-rounded weights and inputs; hybridep must be within twice the
+oracle's own error on every output and gradient, and the oracle must route like the reference."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_hybridep.runtime.launch import run_ranks
+from megatron_hybridep.testing.moe import MoESpec, global_weights, rank_input, reference_moe
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+SPEC = MoESpec(hidden=128, ffn=256, experts=8, topk=2, aux_loss_coeff=1e-2, seq=64, batch=2)
+
+
+def _te_available() -> bool:
+    from megatron_hybridep.megatron.compat import transformer_engine_version
+
+    return transformer_engine_version() is not None
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).double()
+
+
+def _reference(spec: MoESpec, world: int, rank: int) -> dict[str, torch.Tensor]:
+    """float64 reference of every rank's tokens, with the bf16-rounded weights and inputs the
+    GPU layers see: this rank's output/input/router gradients and every expert's gradient."""
+    w = global_weights(spec)
+    w.router, w.fc1, w.fc2 = (_bf16(t).requires_grad_(True) for t in (w.router, w.fc1, w.fc2))
+    mine: dict[str, torch.Tensor] = {}
+    for r in range(world):
+        x = _bf16(rank_input(spec, r)).requires_grad_(True)
+        out, aux = reference_moe(x, w, spec.topk, spec.aux_loss_coeff, spec.use_pre_softmax)
+        dy = _bf16(rank_input(spec, r, step=99))
+        before = w.router.grad.clone() if w.router.grad is not None else 0
+        (out * dy).sum().add(aux).backward()
+        if r == rank:
+            mine = {"out": out.detach(), "dx": x.grad, "router": w.router.grad - before}
+    mine["fc1"], mine["fc2"] = w.fc1.grad, w.fc2.grad
+    return mine
+
+
+def _run(layer, spec: MoESpec, rank: int) -> dict[str, torch.Tensor]:
+    from megatron_hybridep.testing.moe import expert_weights
+
+    x = rank_input(spec, rank).to("cuda", torch.bfloat16).requires_grad_(True)
+    out, _ = layer(x)
+    out.backward(rank_input(spec, rank, step=99).to("cuda", torch.bfloat16))
+    torch.cuda.synchronize()
+    got = {"out": out.detach(), "dx": x.grad, "router": layer.router.weight.grad}
+    for i, (fc1, fc2) in enumerate(expert_weights(layer)):
+        got[f"fc1.{i}"], got[f"fc2.{i}"] = fc1.grad, fc2.grad
+    assert all(t.is_cuda for t in got.values())
+    return {k: v.double().cpu() for k, v in got.items()}
+
+
+def _gpu_case(ctx, plans, use_te: bool):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_hybridep.megatron import cpu_runtime, register, setup, teardown
+    from megatron_hybridep.testing.moe import build_moe_layer
+
+    torch.cuda.set_device(0)  # every rank on the one GPU
+    assert cpu_runtime.enable() is False  # CUDA present: Megatron untouched
+    register()
+    ps.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
+    model_parallel_cuda_manual_seed(7)
+    build = dict(grouped_gemm=True, transformer_engine=use_te, bf16=True, params_dtype=torch.bfloat16,
+                 use_cpu_initialization=False)
+    oracle_layer = build_moe_layer(SPEC, ctx.rank, ctx.world_size, **build).cuda()
+    experts_type = type(oracle_layer.experts).__name__
+    oracle = _run(oracle_layer, SPEC, ctx.rank)
+    results = {}
+    for plan in plans:
+        setup([plan])
+        layer = build_moe_layer(dataclasses.replace(SPEC, dispatcher="hybridep"), ctx.rank, ctx.world_size,
+                                **build).cuda()
+        assert layer.hybridep
+        results[plan.label] = _run(layer, SPEC, ctx.rank)
+        teardown()
+    ps.destroy_model_parallel()
+    return experts_type, oracle, results
+
+
+def _plans(world: int):
+    from megatron_hybridep.plan.plan import Plan
+
+    plans = [Plan.grid((world,), (s,), SPEC.experts) for s in (2, 4) if s <= world]
+    if world == 4:
+        plans.append(Plan.grid((2, 2), (2, 1), SPEC.experts, ("dc", "gpu")))
+    return plans
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_hybridep_grouped_bf16_equals_alltoall_on_one_gpu(world):
+    use_te = _te_available()
+    out = run_ranks(_gpu_case, world, _plans(world), use_te, timeout=500)
+    n_local = SPEC.experts // world
+    for rank, (experts_type, oracle, results) in enumerate(out):
+        assert experts_type == ("TEGroupedMLP" if use_te else "SequentialMLP")
+        ref = _reference(SPEC, world, rank)
+        ref.update({f"{n}.{i}": ref[n][rank * n_local + i] for n in ("fc1", "fc2") for i in range(n_local)})
+        oracle_err = {k: (v - ref[k]).abs().max().item() for k, v in oracle.items()}
+        scale = {k: ref[k].abs().max().item() for k in oracle}
+        # The oracle itself must agree with float64 (same routing): bf16 error, not a different expert.
+        off = {k: e for k, e in oracle_err.items() if not e <= 0.05 * scale[k] + 1e-3}
+        assert not off, f"rank {rank}: alltoall bf16 vs float64 too far (routing tie?): {off}"
+        for label, got in results.items():
+            err = {k: (v - ref[k]).abs().max().item() for k, v in got.items()}
+            bad = {k: (err[k], oracle_err[k]) for k in err if not err[k] <= 2 * oracle_err[k] + 1e-6}
+            assert not bad, f"rank {rank} plan {label} ({experts_type}): (hybridep err, alltoall err) {bad}"

@@ -1,0 +1,41 @@
+"""The GPU benchmark scripts are ready to run: their commands parse with pretrain_moe.py's own
+parser and their log parsing reads Megatron's real log line (CPU; the runs themselves need a GPU)."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_loop_overhead_reads_megatrons_per_iteration_log_line():
+    loop = _load("gpu_loop_overhead")
+    # The format strings of megatron.training.training.training_log (0.19.2), joined as it prints them.
+    line = (f" [2026-11-23 21:00:00] iteration {12:8d}/{40:8d} |"
+            + f" consumed samples: {48:12d} |"
+            + f" elapsed time per iteration (ms): {123.45:.1f} |" + " learning rate: 3.0E-04 |")
+    assert loop.step_times_ms(line + "\n" + line.replace("   12/", "   13/")) == {12: 123.5, 13: 123.5}
+
+
+def test_loop_overhead_commands_parse(capsys):
+    loop = _load("gpu_loop_overhead")
+    assert loop.main(["--dry-run", "--iters", "20", "--warmup", "5", "--local"]) == 0
+    out = capsys.readouterr().out
+    for system in ("alltoall", "hybridep"):
+        assert (f"# {system}: parsed: dispatcher={system} ep=1 bf16=True distributed_optimizer=True "
+                "transformer_impl=local") in out
+
+
+def test_codec_benchmark_runs_its_logic_on_cpu(capsys):
+    codec = _load("gpu_codec")
+    assert codec.model_sizes() == {"deepseek-v3-like": 44_040_192, "paper-l/xl": 8_388_608, "paper-m": 4_718_592,
+                                   "paper-s": 2_097_152}
+    assert codec.main(["--device", "cpu", "--sizes", "5000", "--ratios", "10", "--repeats", "1", "--rows", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "$ python benchmarks/gpu_codec.py --device cpu" in out and "  5000 " in out
