@@ -38,6 +38,7 @@ class RunSummary:
     step_times: list[float] = field(default_factory=list)
     tokens_per_s: float = 0.0
     inter_dc_bytes: float = 0.0
+    inter_dc_by_phase: dict[str, float] = field(default_factory=dict)  # summed over ranks and iterations
     plan: str = ""
     unigram_entropy: float | None = None
     wall_s: float = 0.0
@@ -142,6 +143,11 @@ def run(args: argparse.Namespace, collect_params: bool = False,
 
         runtime = build_runtime(args, choice)
         scheduler = runtime.scheduler
+    from megatron_hybridep.megatron import measure
+    from megatron_hybridep.megatron.planning import topology_for
+
+    measure.enable(choice.topology if choice is not None else topology_for(args, world),
+                   runtime.stats if runtime is not None else None)
     chunks, optimizer, lr_scheduler, config = build_model(args)
     model = chunks[0] if len(chunks) == 1 else chunks  # checkpoint.py takes one chunk
     iteration = checkpoint.load(args, _one(chunks, "--load"), optimizer, lr_scheduler) if args.load else 0
@@ -197,6 +203,7 @@ def run(args: argparse.Namespace, collect_params: bool = False,
         summary.params = {f"{_chunk_prefix(c)}{n}": p.detach().clone()
                           for c in chunks for n, p in c.module.named_parameters()}
     del model
+    measure.disable()
     if runtime is not None:
         teardown()
     ps.destroy_model_parallel()

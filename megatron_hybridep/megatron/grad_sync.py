@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from megatron_hybridep.megatron import measure
+
 DENSE_PHASE = "dense_grad_allreduce"
 
 
@@ -45,6 +47,18 @@ def _wrap_finalize(inner: Callable[..., Any], runtime: Any) -> Callable[..., Any
         t0 = time.perf_counter()
         out = inner(*args, **kwargs)
         runtime.stats.add(0, DENSE_PHASE, "dp", 0, time.perf_counter() - t0)
+        measure.count_grad_reductions(args[0] if args else kwargs.get("model", []))
+        return out
+
+    finalize._hybridep = True  # type: ignore[attr-defined]
+    return finalize
+
+
+def _counting(inner: Callable[..., Any]) -> Callable[..., Any]:
+    """finalize for jobs without a runtime (alltoall EP): their reductions counted like hybridep's."""
+    def finalize(*args: Any, **kwargs: Any) -> Any:
+        out = inner(*args, **kwargs)
+        measure.count_grad_reductions(args[0] if args else kwargs.get("model", []))
         return out
 
     finalize._hybridep = True  # type: ignore[attr-defined]
@@ -64,6 +78,8 @@ def install(config: Any, model_chunks: Sequence[Any], runtime: Any) -> None:
         config.finalize_model_grads_func = finalize_model_grads
     if runtime is None:
         config.no_sync_func = current
+        if not getattr(config.finalize_model_grads_func, "_hybridep", False):
+            config.finalize_model_grads_func = _counting(config.finalize_model_grads_func)
         return
     if isinstance(current, list):
         config.no_sync_func = [f if getattr(f, "_hybridep", False) else _wrap_no_sync(f, runtime) for f in current]

@@ -31,6 +31,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from torch.func import functional_call
 
+from megatron_hybridep.megatron import measure
 from megatron_hybridep.megatron.dispatcher import HybridEPTokenDispatcher, expert_order, instrument
 from megatron_hybridep.megatron.replica_experts import replica_experts
 from megatron_hybridep.runtime.context import HybridEPRuntime, get_runtime
@@ -82,6 +83,7 @@ class HybridEPMoELayer(MoELayer):
         if not hybrid:
             super().__init__(config, *args, **kwargs)
             self.hybridep = False
+            self._measure_plain_ep()
             return
         _check_config(config)
         runtime = get_runtime()
@@ -108,6 +110,14 @@ class HybridEPMoELayer(MoELayer):
         self._index = runtime.register_layer(self)
         self._replica_out: torch.Tensor | None = None
         self.token_dispatcher = self._plan_state[runtime.active].dispatcher
+
+    def _measure_plain_ep(self) -> None:
+        """Megatron's own dispatcher counted like hybridep's, when the job measures (measure.py)."""
+        stats = measure.stats()
+        if stats is None or not isinstance(self.token_dispatcher, MoEAlltoAllTokenDispatcher):
+            return
+        ranks = dist.get_process_group_ranks(self.token_dispatcher.ep_group)
+        instrument(self.token_dispatcher, stats, self._layer_key(), measure.levels_towards(ranks, dist.get_rank()))
 
     @property
     def _active(self) -> PlanState:

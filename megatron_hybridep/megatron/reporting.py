@@ -53,15 +53,21 @@ class Reporter:
                     print(f"   {mark} {c.plan.label:<28} {c.cost.total * 1e3:9.2f} ms")
 
     def _comm(self) -> tuple[float, float]:
-        """(inter-DC bytes this iteration summed over ranks, exposed comm seconds on this rank)."""
-        if self.runtime is None:
+        """(inter-DC bytes this iteration summed over ranks, every system counted alike (measure.py);
+        exposed hybridep communication seconds on this rank)."""
+        from megatron_hybridep.megatron import measure
+
+        stats = measure.stats() or (self.runtime.stats if self.runtime is not None else None)
+        if stats is None:
             return 0.0, 0.0
-        stats = self.runtime.stats
-        t = torch.tensor([float(stats.bytes_by(level="dc"))])
-        dist.all_reduce(t)
-        exposed = stats.seconds_by(group="rail") + stats.seconds_by(phase="expert_gather")
+        phases = sorted({p for (_, p, _, _) in stats.records} | set(self.summary.inter_dc_by_phase))
+        t = torch.tensor([float(stats.bytes_by(phase=p, level="dc")) for p in phases], dtype=torch.float64)
+        dist.all_reduce(t)  # the phase lists agree: every rank runs the same collectives
+        for p, b in zip(phases, t.tolist(), strict=True):
+            self.summary.inter_dc_by_phase[p] = self.summary.inter_dc_by_phase.get(p, 0.0) + b
+        exposed = stats.seconds_by(group="rail") + stats.seconds_by(phase="expert_gather") if self.runtime else 0.0
         stats.reset()
-        return t.item(), exposed
+        return float(t.sum().item()), exposed
 
     def step(self, iteration: int, loss: float, seconds: float, grad_norm: Any, scheduler: Any,
              decision: Any = None) -> None:

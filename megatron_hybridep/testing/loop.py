@@ -27,7 +27,8 @@ def train(ctx: Any, argv: Sequence[str]) -> dict[str, Any]:
 
     summary = cpu_loop.run(parse([*TINY, *argv], default_config=PRESET), collect_params=True)
     return {"losses": summary.losses, "params": summary.params,
-            "inter_dc_per_iter": summary.inter_dc_bytes / max(1, summary.iterations), "plan": summary.plan}
+            "inter_dc_per_iter": summary.inter_dc_bytes / max(1, summary.iterations), "plan": summary.plan,
+            "inter_dc_by_phase": {k: v / max(1, summary.iterations) for k, v in summary.inter_dc_by_phase.items()}}
 
 
 def max_param_diff(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, str]:

@@ -43,14 +43,28 @@ def test_per_microbatch_mode_is_exact_too():
 
 def test_wan_bytes_per_iteration_do_not_grow_with_micro_batches_or_recompute():
     def per_iter(*extra):
-        return run_ranks(train, 4, [*BASE, *extra], timeout=300)[0]["inter_dc_per_iter"]
+        return run_ranks(train, 4, [*BASE, *extra], timeout=300)[0]["inter_dc_by_phase"]
 
     one = per_iter("--global-batch-size", "8")
-    assert one > 0
+    moved = one["expert_gather"] + one["grad_return"]
+    assert moved > 0 and one["dense_grad_allreduce"] > 0
     assert per_iter("--global-batch-size", "32") == one
     assert per_iter("--global-batch-size", "32", *RECOMPUTE["full"]) == one
-    # the old mode pays a gather and a return per micro-batch
-    assert per_iter("--global-batch-size", "32", "--hybridep-borrowed-copies", "microbatch") == 4 * one
+    # the per-micro-batch mode pays a gather and a return in each of the 4 micro-batches
+    old = per_iter("--global-batch-size", "32", "--hybridep-borrowed-copies", "microbatch")
+    assert old["expert_gather"] + old["grad_return"] == 4 * moved
+    assert old["dense_grad_allreduce"] == one["dense_grad_allreduce"]
+
+
+def test_every_system_counts_its_inter_dc_bytes_the_same_way():
+    """Megatron's alltoall EP reports its token all-to-alls and its gradient reductions too, and the
+    dense reduction costs both systems the same."""
+    ep = run_ranks(train, 4, [*BASE, "--global-batch-size", "8", "--moe-token-dispatcher-type", "alltoall"],
+                   timeout=300)[0]["inter_dc_by_phase"]
+    hy = run_ranks(train, 4, [*BASE, "--global-batch-size", "8"], timeout=300)[0]["inter_dc_by_phase"]
+    assert ep["token_dispatch"] > 0 and ep["token_combine"] > 0
+    assert ep["dense_grad_allreduce"] == hy["dense_grad_allreduce"] > 0
+    assert hy.get("token_dispatch", 0) == 0  # domains across the DCs: no token crosses them
 
 
 def _gathers(ctx):
@@ -101,3 +115,20 @@ def test_copies_belong_to_the_step_and_gradients_return_once():
         assert torch.equal(out["grad"], torch.full((6,), 6.0, dtype=torch.float64))  # 1 + 2 + 3 from the peer
         assert torch.equal(out["after_step"], out["expected_after_step"])
         assert out["gathers_after_step"] == 3  # the stale prefetch was waited for, dropped and redone
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("domains", [(1, 1), (2, 1)], ids=["ep+replicas", "domains+replicas"])
+def test_hot_replicas_exact_with_micro_batches_and_recompute(tmp_path, domains):
+    """Hot-expert replicas are borrowed copies too: exchanged once per step, gradients owed."""
+    from megatron_hybridep.plan.plan import Plan
+
+    plan = Plan.grid((2, 2), domains, 8, ("dc", "gpu")).with_replicas([(0, 1), (0, 3), (1, 3)], max_per_rank=2)
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    extra = ["--global-batch-size", "32", *RECOMPUTE["full"]]
+    ref = run_ranks(train, 4, [*BASE, *extra, "--moe-token-dispatcher-type", "alltoall"], timeout=300)
+    got = run_ranks(train, 4, [*BASE, *extra, "--hybridep-plan", str(path)], timeout=300)
+    assert "hot" in got[0]["plan"] or "+" in got[0]["plan"], got[0]["plan"]
+    assert got[0]["inter_dc_by_phase"]["replica_weights"] > 0
+    compare(ref, got, TOL)

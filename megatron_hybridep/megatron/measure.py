@@ -1,0 +1,72 @@
+"""Bytes over each link level, counted the same way for every system (alltoall EP, replicated,
+hybridep): logical bytes each rank sends to each peer, attributed to the coarsest topology level
+that peer is across ('dc' = inter-DC links).
+
+- token all-to-alls: Megatron's dispatcher instrumented (dispatcher.instrument), hybridep's or not;
+- expert gathers, gradient returns, replica exchanges: the runtime's own counters (same Stats);
+- Megatron's gradient reductions (dense and expert data-parallel, in finalize_model_grads): a
+  reduce-scatter + all-gather of each DDP buffer, i.e. 2 B / n to each of the n - 1 peers.
+The collectives' algorithms (ring, tree) move the same bytes over other paths; the testbed's link
+counters measure those. This is what each system asks the network to move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from megatron_hybridep.plan.grid import coords_of
+from megatron_hybridep.plan.topology import Topology
+from megatron_hybridep.runtime.instrument import Stats
+
+_STATE: dict[str, Any] = {}
+
+
+def enable(topology: Topology, stats: Stats | None = None) -> Stats:
+    """Count from now on into ``stats`` (a new one if None): call before building the model."""
+    _STATE.update(topology=topology, stats=stats or Stats())
+    return _STATE["stats"]
+
+
+def disable() -> None:
+    _STATE.clear()
+
+
+def stats() -> Stats | None:
+    return _STATE.get("stats")
+
+
+def level(a: int, b: int) -> str:
+    """The coarsest topology level global ranks a and b differ at ('local' if a == b)."""
+    topo: Topology = _STATE["topology"]
+    for name, ca, cb in zip(topo.level_names, coords_of(a, topo.level_counts), coords_of(b, topo.level_counts),
+                            strict=True):
+        if ca != cb:
+            return name
+    return "local"
+
+
+def levels_towards(group_ranks: Sequence[int], me: int) -> tuple[str, ...]:
+    """Link level from global rank ``me`` to each member of a group, in group order."""
+    return tuple(level(me, r) for r in group_ranks)
+
+
+def count_grad_reductions(model_chunks: Sequence[Any]) -> None:
+    """Megatron DDP's reductions of one iteration (buffers of dense and expert parameters)."""
+    import torch.distributed as dist
+
+    s = stats()
+    if s is None:
+        return
+    me = dist.get_rank()
+    for chunk in model_chunks:
+        for phase, buffers in (("dense_grad_allreduce", getattr(chunk, "buffers", [])),
+                               ("expert_grad_allreduce", getattr(chunk, "expert_parallel_buffers", []))):
+            for buf in buffers:
+                group = buf.data_parallel_group
+                ranks = dist.get_process_group_ranks(group)
+                n = len(ranks)
+                per_peer = 2 * buf.grad_data.numel() * buf.grad_data.element_size() // n
+                for r in ranks:
+                    if r != me:
+                        s.add(0, phase, "dp", per_peer, 0.0, level=level(me, r))
