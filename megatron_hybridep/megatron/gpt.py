@@ -5,6 +5,7 @@ tests and the benchmarks, so they all exercise the same Megatron code."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,26 +103,57 @@ def forward_loss(state: TrainState, tokens: torch.Tensor, labels: torch.Tensor) 
     return per_token.float().mean()
 
 
-def train_step(state: TrainState, tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """Forward, backward, Megatron's gradient finalisation (data-parallel and expert-data-parallel
-    reductions) and the optimizer step. Returns the local loss and grad norm."""
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+Batch = tuple[torch.Tensor, torch.Tensor]
 
+
+def train_step(state: TrainState, tokens: torch.Tensor | Sequence[Batch],
+               labels: torch.Tensor | None = None) -> dict[str, float]:
+    """One iteration as Megatron's training loop runs it: ``train_step(state, tokens, labels)`` for
+    one micro-batch or ``train_step(state, [(tokens, labels), ...])`` for M, through Megatron's
+    schedule (get_forward_backward_func: no_sync for all but the last micro-batch, then
+    finalize_model_grads), with the borrowed experts' gradient sync installed (grad_sync), and the
+    optimizer step. Returns the mean per-token loss over the micro-batches and the grad norm."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_hybridep.megatron import grad_sync
+    from megatron_hybridep.runtime.context import get_runtime
+
+    batches = [(tokens, labels)] if labels is not None else list(tokens)  # type: ignore[arg-type]
+    if not batches:
+        raise ValueError("train_step: no micro-batches; fix: pass (tokens, labels) or a non-empty list of them")
+    runtime = get_runtime()
+    grad_sync.install(state.config, [state.model], runtime)  # idempotent; the bench may pre-set finalize
+    state.config.grad_scale_func = state.optimizer.scale_loss
     state.model.zero_grad_buffer()
     state.optimizer.zero_grad()
-    loss = forward_loss(state, tokens, labels)
-    loss.backward()
-    finalize_model_grads([state.model])
+    shape = batches[0][0].shape
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=iter(batches), model=[state.model],
+        num_microbatches=len(batches), seq_length=shape[1], micro_batch_size=shape[0], forward_only=False)
     ok, grad_norm, _ = state.optimizer.step()
     if not ok:
         raise RuntimeError(f"optimizer step {state.iteration} skipped (non-finite gradients)")
     state.iteration += 1
-    from megatron_hybridep.runtime.context import get_runtime
-
-    runtime = get_runtime()
     if runtime is not None:
         runtime.after_optimizer_step()  # next iteration's first expert gather overlaps data loading
-    return {"loss": loss.item(), "grad_norm": float(grad_norm or 0.0)}
+    total = torch.stack([x["lm loss"] for x in losses]).sum(dim=0)
+    return {"loss": (total[0] / total[1]).item(), "grad_norm": float(grad_norm or 0.0)}
+
+
+def _forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+    """Megatron's forward_step_func: the per-token losses and a loss function returning (sum, count,
+    report); Megatron divides by both the count and the number of micro-batches."""
+    tokens, labels = next(data_iterator)
+    position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    per_token = model(input_ids=tokens, position_ids=position_ids, attention_mask=None, labels=labels)
+
+    def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        wide = torch.promote_types(out.dtype, torch.float32)
+        total = out.to(wide).sum()
+        count = torch.tensor(labels.numel(), dtype=torch.int)
+        return total, count, {"lm loss": torch.stack([total.detach(), count.to(wide)])}
+
+    return per_token, loss_func
 
 
 def replace_args(args: GPTMoEArgs, **changes: Any) -> GPTMoEArgs:

@@ -75,7 +75,8 @@ def run_bench(cfg: BenchConfig, log: IO[str] = sys.stdout) -> dict[str, Any]:
     """Bring up the testbed, run calibration + measurement, analyse; returns the summary."""
     cfg.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    spec = {"model": cfg.model.gpt_args(cfg.seq), "timeout_s": cfg.timeout}
+    spec = {"model": cfg.model.gpt_args(cfg.seq), "timeout_s": cfg.timeout, "micro_batches": cfg.micro_batches,
+            "hold_copies": cfg.hold_copies}
     (cfg.out / "spec.json").write_text(json.dumps(spec, indent=1))
     repo = Path(__file__).resolve().parents[2]
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
@@ -85,7 +86,8 @@ def run_bench(cfg: BenchConfig, log: IO[str] = sys.stdout) -> dict[str, Any]:
                                   burst_ms=cfg.burst_ms or None)) as tb:
         session = Session(cfg, tb, log)
         session.say(f"{tb.describe()}; model {cfg.model.name}; points (tokens/rank) "
-                    f"{[p['tokens'] for p in cfg.points]}; systems {','.join(cfg.systems)}")
+                    f"{[p['tokens'] for p in cfg.points]} x {cfg.micro_batches} micro-batches "
+                    f"(borrowed copies: {cfg.borrowed_copies}); systems {','.join(cfg.systems)}")
         deadline = t0 + cfg.timeout
         while session.pending():  # one launch per point: fresh ranks (see bench_session)
             _launch(cfg, tb, session, env, Path(tmp), cfg.out / "logs" / f"point{session.queue[0][0]}", repo,

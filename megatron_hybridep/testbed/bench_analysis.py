@@ -48,12 +48,14 @@ def make_row(cfg: BenchConfig, e: dict[str, Any], base: dict[str, Any], pred: bp
     q1, q3 = br.quartiles(steps)
     link = e["link"]
     n, it = len(link), e["iters"]
+    m = e.get("micro_batches", 1)
     a2a_fwd = r["token_dispatch_s"] + r["token_combine_s"]
     payload = sum(r[f"{p}_dc_bytes"] for p in ("token_dispatch", "token_combine", "expert_gather", "grad_return"))
     payload += r["token_dispatch_dc_bytes"] + r["token_combine_dc_bytes"]  # backward: the transposes
     return br.Row(
         point=e["point"], tokens=e["tokens"], micro_batch=e["micro_batch"], seq=e["seq"],
-        token_traffic_mb=cfg.model.token_traffic_bytes(e["tokens"]) / 1e6, system=e["system"], plan=e["plan"],
+        micro_batches=m, token_traffic_mb=cfg.model.token_traffic_bytes(e["tokens"], m) / 1e6,
+        system=e["system"], plan=e["plan"],
         iters=it, median_s=e["median_s"], min_s=min(steps), max_s=max(steps), q1_s=q1, q3_s=q3,
         speedup_vs_ep=ep_median / e["median_s"],
         speedup_vs_replicated=rep_median / e["median_s"] if rep_median else float("nan"),
@@ -75,6 +77,17 @@ def make_row(cfg: BenchConfig, e: dict[str, Any], base: dict[str, Any], pred: bp
         wan_rx_mb=sum(c["rx_bytes"] for c in link) / n / it / 1e6,
         pred_wan_mb=pred.dc_uplink_bytes / TCP_GOODPUT_FRACTION / 1e6,
         payload_dc_mb=payload / 1e6, loadavg=sum(e["loadavg"]) / 2)
+
+
+def params_line(events: list[dict[str, Any]]) -> str:
+    """The model's dense / expert parameter split, as the ranks of alltoall EP counted it."""
+    m = next((e for e in events if e["event"] == "model" and e["system"] == "ep"), None)
+    if m is None:
+        return "parameters: not reported"
+    experts = m["expert_params_per_rank"] * m["ep_size"]
+    return (f"parameters: {m['dense_params']:,} dense + {experts:,} in experts "
+            f"({m['expert_params_per_rank']:,} per rank at EP {m['ep_size']}): experts hold "
+            f"{experts / (experts + m['dense_params']):.1%}")
 
 
 STEADY_S = 0.05  # probes at least this long at the rate see steady-state TCP: their efficiencies are pooled
@@ -149,7 +162,9 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         f"machine: {summary['machine']}",
         f"testbed: {cfg.dcs} DCs x {cfg.ranks_per_dc} ranks, WAN {cfg.rate_text} per DC uplink "
         f"(TCP goodput {summary['goodput_mbit']:.1f} Mbit/s), model {cfg.model.name}, "
-        f"{cfg.warmup} warm-up + {cfg.iters} timed iterations",
+        f"{cfg.warmup} warm-up + {cfg.iters} timed iterations of {cfg.micro_batches} micro-batch(es) "
+        f"(borrowed copies: {cfg.borrowed_copies})",
+        params_line(session.events),
         "", br.format_table(rows),
         "median of the timed iterations [min-max]; pred = cost-model prediction (WAN at the TCP goodput of the "
         "rate, token all-to-alls calibrated by the share of it a bare gloo all-to-all of the same size got, below), "

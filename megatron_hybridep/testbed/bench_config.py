@@ -20,7 +20,9 @@ COMPRESSED = "hybridep-compressed"  # HybridEP with weights and returned gradien
 SPAN = 32  # token traffic range of the sweep (paper: 6..192 MB)
 DEFAULTS: dict[str, Any] = {"dcs": 2, "ranks_per_dc": 2, "rate": "50mbit", "points": 6, "min_tokens": 128,
                             "seq": 128, "warmup": 2, "iters": 7, "systems": ",".join(SYSTEMS), "timeout": 1800.0,
-                            "burst_ms": 1.0, "compression_ratio": 50.0}
+                            "burst_ms": 1.0, "compression_ratio": 50.0, "micro_batches": 1,
+                            "borrowed_copies": "auto"}
+COPIES = ("auto", "iteration", "microbatch")  # --hybridep-borrowed-copies; auto = iteration (bench models fit)
 # --smoke: the same path end to end, small enough for CI (< 60 s on 2 cores)
 SMOKE: dict[str, Any] = {"points": 2, "min_tokens": 32, "seq": 32, "warmup": 1, "iters": 2, "timeout": 150.0}
 
@@ -57,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"{COMPRESSED}: element ratio of the shipped expert weights "
                              f"(shared + top-k residual) and of the returned gradients (top-k, error feedback) "
                              f"(default {d['compression_ratio']:g})")
+    parser.add_argument("--micro-batches", type=int, default=None,
+                        help="micro-batches per iteration at every point, each of the point's micro_batch x seq "
+                             "tokens, through Megatron's schedule (gradients reduced once per iteration; default 1)")
+    parser.add_argument("--borrowed-copies", choices=COPIES, default=None,
+                        help="HybridEP's borrowed expert copies: held for the iteration (one gather and one "
+                             "gradient return per iteration) or re-gathered per micro-batch; auto = iteration")
     parser.add_argument("--smoke", action="store_true",
                         help=f"quick end-to-end check: {SMOKE['points']} points from {SMOKE['min_tokens']} tokens, "
                              f"seq {SMOKE['seq']}, {SMOKE['warmup']} warm-up + {SMOKE['iters']} iterations")
@@ -84,6 +92,12 @@ class BenchConfig:
     burst_ms: float
     compression_ratio: float = DEFAULTS["compression_ratio"]
     quiet: bool = False
+    micro_batches: int = 1
+    borrowed_copies: str = "auto"
+
+    @property
+    def hold_copies(self) -> bool:
+        return self.borrowed_copies != "microbatch"
 
     @property
     def world(self) -> int:
@@ -100,6 +114,9 @@ class BenchConfig:
                  "--burst-ms", f"{self.burst_ms:g}"]
         if COMPRESSED in self.systems:
             argv += ["--compression-ratio", f"{self.compression_ratio:g}"]
+        argv += ["--micro-batches", str(self.micro_batches)]
+        if self.borrowed_copies != "auto":
+            argv += ["--borrowed-copies", self.borrowed_copies]
         argv += ["--out", str(self.out)]
         return shlex.join(argv)
 
@@ -165,7 +182,10 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     if not ratio > 1:
         raise BenchError(f"--compression-ratio: must be > 1 for {COMPRESSED}, got {ratio:g}; fix: e.g. 50, or drop "
                          f"{COMPRESSED} from --systems")
+    micro = int(get("micro_batches"))
+    if micro < 1:
+        raise BenchError(f"--micro-batches: must be >= 1, got {micro}; fix: e.g. --micro-batches 4")
     out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     return BenchConfig(model, model_path or "builtin", dcs, k, rate, rate_text, sweep(min_tokens, seq, points), seq,
                        min_tokens, warmup, iters, systems, out, float(get("timeout")), bool(args.smoke), burst_ms,
-                       ratio, bool(getattr(args, "quiet", False)))
+                       ratio, bool(getattr(args, "quiet", False)), micro, str(get("borrowed_copies")))

@@ -63,10 +63,11 @@ class ModelShape:
     def expert_params(self) -> int:
         return 2 * self.hidden_size * self.ffn_hidden_size
 
-    def token_traffic_bytes(self, tokens: int) -> float:
+    def token_traffic_bytes(self, tokens: int, micro_batches: int = 1) -> float:
         """Token bytes one rank dispatches per iteration under EP: 4 all-to-alls (dispatch, combine,
-        and both again in the backward) per MoE layer, one row per selected expert."""
-        return 4.0 * self.num_layers * tokens * self.topk * self.hidden_size * FP32
+        and both again in the backward) per MoE layer and micro-batch, one row per selected expert."""
+        return 4.0 * self.num_layers * tokens * micro_batches * self.topk * self.hidden_size * FP32
+
 
     def check(self, world: int) -> None:
         if self.num_experts % world:
@@ -118,18 +119,34 @@ class Calibration:
     expert_rows: float  # token copies through the experts, all layers
 
     def workload(self, shape: ModelShape, tokens: int, seq: int, compression_ratio: float = 1.0,
-                 shared_sync_bytes_per_layer: float = 0.0) -> Workload:
-        """compression_ratio: weights and returned gradients (the bench's compressed HybridEP)."""
+                 shared_sync_bytes_per_layer: float = 0.0, micro_batches: int = 1,
+                 hold_copies: bool = True) -> Workload:
+        """tokens: per micro-batch; the timings are per iteration of `micro_batches` micro-batches.
+        compression_ratio: weights and returned gradients (the bench's compressed HybridEP);
+        hold_copies: borrowed copies held for the iteration (--borrowed-copies)."""
         per_copy = self.expert_fwd_s / max(self.expert_rows, 1.0)
         tflops = 2.0 * shape.expert_params / per_copy / 1e12 if per_copy > 0 else 1.0
         return Workload(
             hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
             num_experts=shape.num_experts, top_k=shape.topk, num_moe_layers=shape.num_layers,
             num_layers=shape.num_layers, seq_length=seq, micro_batch_size=tokens // seq,
+            micro_batches=micro_batches,
             activation_bytes=FP32, weight_bytes=FP32, grad_bytes=FP32,
-            t_pre_ms=self.t_pre_s / shape.num_layers * 1e3, throughput_tflops=tflops,
+            t_pre_ms=self.t_pre_s / shape.num_layers / micro_batches * 1e3, throughput_tflops=tflops,
             compression_ratio=compression_ratio, grad_compression_ratio=compression_ratio,
-            shared_sync_bytes_per_layer=shared_sync_bytes_per_layer, name=shape.name)
+            shared_sync_bytes_per_layer=shared_sync_bytes_per_layer, name=shape.name,
+            **copies_mode(hold_copies))
+
+
+def copies_mode(hold_copies: bool) -> dict[str, Any]:
+    """Workload fields of the borrowed-copies mode. THE single call site for the mode: plan/cost.py's
+    per-iteration pricing of held copies (issue 14 section 2) is landing separately; until Workload
+    has its field, the cost model prices gathers and returns per micro-batch (microbatch mode)."""
+    names = {f.name for f in dataclasses.fields(Workload)}
+    for field in ("hold_copies", "borrowed_copies"):
+        if field in names:
+            return {field: hold_copies if field == "hold_copies" else ("iteration" if hold_copies else "microbatch")}
+    return {}
 
 
 def system_plan(system: str, topology: Topology, num_experts: int) -> Plan:

@@ -25,6 +25,7 @@ class Row:
     tokens: int
     micro_batch: int
     seq: int
+    micro_batches: int  # per iteration (--micro-batches); tokens and micro_batch are per micro-batch
     token_traffic_mb: float  # EP's token bytes one rank dispatches per iteration (all all-to-alls)
     system: str
     plan: str

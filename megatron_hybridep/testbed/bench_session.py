@@ -138,11 +138,12 @@ class Session:
                  and e["point"] == point["index"])
         r = e["ranks"]
         calib = bp.Calibration(r["t_pre"], r["expert_fwd"], r["expert_rows"])
+        mode = {"micro_batches": self.cfg.micro_batches, "hold_copies": self.cfg.hold_copies}
         if system != COMPRESSED:
-            return calib.workload(self.cfg.model, point["tokens"], point["seq"])
+            return calib.workload(self.cfg.model, point["tokens"], point["seq"], **mode)
         sync = next((m.get("shared_sync_bytes_per_layer", 0.0) for m in events if m["event"] == "model"
                      and m["system"] == COMPRESSED), 0.0)
-        return calib.workload(self.cfg.model, point["tokens"], point["seq"], self.cfg.compression_ratio, sync)
+        return calib.workload(self.cfg.model, point["tokens"], point["seq"], self.cfg.compression_ratio, sync, **mode)
 
     def choose_plan(self, point: int, system: str = "hybridep") -> Plan:
         """The planner's HybridEP plan for this point and system, from EP's calibration of it."""

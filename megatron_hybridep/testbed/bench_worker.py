@@ -27,8 +27,6 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -94,13 +92,12 @@ class PhaseTimer:
         self.t["expert_rows"] += float(x.shape[0])
         self._start("experts")
 
-    @contextmanager
-    def grad_sync(self) -> Iterator[None]:
-        """Time Megatron's finalize_model_grads (dense and expert-data-parallel all-reduces) by
-        wrapping the module attribute that gpt.train_step imports at call time."""
+    def time_finalize(self, config: Any) -> None:
+        """Time Megatron's finalize_model_grads (dense and expert-data-parallel all-reduces) as the
+        schedule calls it: set as config.finalize_model_grads_func before gpt.train_step installs
+        grad_sync, which wraps it (hybridep first returns owed borrowed gradients, not timed here)."""
         # importlib: the package re-exports a function under the submodule's name
-        fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")
-        orig = fmg.finalize_model_grads
+        orig = importlib.import_module("megatron.core.distributed.finalize_model_grads").finalize_model_grads
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -109,11 +106,7 @@ class PhaseTimer:
             finally:
                 self.t["grad_sync"] += time.perf_counter() - t0
 
-        fmg.finalize_model_grads = timed
-        try:
-            yield
-        finally:
-            fmg.finalize_model_grads = orig
+        config.finalize_model_grads_func = timed
 
 
 class Worker:
@@ -209,10 +202,15 @@ class Worker:
             plans = [Plan.from_dict(p) for p in order["plans"]]
             if order.get("compression_ratio"):
                 migration, sync_bytes = self._migration(order["compression_ratio"])
+            elif not self.spec.get("hold_copies", True):
+                from megatron_hybridep.runtime.migration import MigrationConfig
+
+                migration = MigrationConfig(hold_copies=False)
             runtime = setup(plans, num_experts=args.num_experts, migration=migration)
         state = build(args)
         gpt = state.model.module
         timer = PhaseTimer(gpt)
+        timer.time_finalize(state.config)
         stats = runtime.stats if runtime is not None else Stats()
         if runtime is None:  # Megatron's own dispatcher, measured the same way as hybridep's rails
             ep = args.expert_model_parallel_size
@@ -225,21 +223,22 @@ class Worker:
             dense = sum(p.numel() for p in gpt.parameters() if getattr(p, "allreduce", True))
             experts = sum(p.numel() for p in gpt.parameters() if not getattr(p, "allreduce", True))
             emit("model", system=system, point=point["index"], dense_params=dense, expert_params_per_rank=experts,
+                 expert_share=experts * args.expert_model_parallel_size
+                 / (dense + experts * args.expert_model_parallel_size),  # of the model's parameters
                  ep_size=args.expert_model_parallel_size, build_s=time.perf_counter() - t0,
                  compression_ratio=migration.compression_ratio if migration else 1.0,
                  shared_sync_bytes_per_layer=sync_bytes)
         indices = list(range(len(order["plans"]))) if runtime is not None else [None]
-        with timer.grad_sync():
-            for phase in ("calibrate", "measure"):
-                if phase == "measure":
-                    indices = self.ask({"op": "shape"})["measure"]
-                for plan_index in indices:
-                    label = system
-                    if runtime is not None:
-                        runtime.switch(plan_index)
-                        label = runtime.plan.label
-                    self.run_point(phase, system, label, plan_index, point, state, timer, stats,
-                                   order["warmup"], order["iters"])
+        for phase in ("calibrate", "measure"):
+            if phase == "measure":
+                indices = self.ask({"op": "shape"})["measure"]
+            for plan_index in indices:
+                label = system
+                if runtime is not None:
+                    runtime.switch(plan_index)
+                    label = runtime.plan.label
+                self.run_point(phase, system, label, plan_index, point, state, timer, stats,
+                               order["warmup"], order["iters"])
         if runtime is not None:
             teardown()
         del state
@@ -252,7 +251,8 @@ class Worker:
         from megatron_hybridep.runtime.compression import SharedExpertRule
         from megatron_hybridep.runtime.migration import MigrationConfig
 
-        cfg = MigrationConfig(compression_ratio=ratio, grad_compression_ratio=ratio)
+        cfg = MigrationConfig(compression_ratio=ratio, grad_compression_ratio=ratio,
+                              hold_copies=self.spec.get("hold_copies", True))
         m = self.spec["model"]
         expert = 2 * m["hidden_size"] * m["ffn_hidden_size"]
         sync = 0.0 if getattr(cfg, "incremental", False) else \
@@ -265,10 +265,12 @@ class Worker:
         from megatron_hybridep.megatron.gpt import train_step
 
         mbs, seq = point["micro_batch"], point["seq"]
-        batches = [self.corpus.batch(mbs, seq, self.rank, step) for step in range(warmup + iters)]
+        m = self.spec.get("micro_batches", 1)  # per iteration, each of mbs x seq tokens (Megatron's schedule)
+        batches = [[self.corpus.batch(mbs, seq, self.rank, step * m + j) for j in range(m)]
+                   for step in range(warmup + iters)]
         t0 = time.perf_counter()
-        for tokens, labels in batches[:warmup]:
-            train_step(state, tokens, labels)
+        for micro in batches[:warmup]:
+            train_step(state, micro)
         dist.barrier()
         warmup_s = time.perf_counter() - t0
         load0 = os.getloadavg()[0]  # the machine is shared: say how busy it was
@@ -276,10 +278,10 @@ class Worker:
         rows = []
         dist.barrier()  # the window starts together; no barrier between steps (training has none)
         last = time.perf_counter()
-        for tokens, labels in batches[warmup:]:
+        for micro in batches[warmup:]:
             stats.reset()
             timer.reset()
-            out = train_step(state, tokens, labels)
+            out = train_step(state, micro)
             now = time.perf_counter()
             rows.append({"step_s": now - last, "loss": out["loss"], **timer.t, **_stats_row(stats)})
             last = now
@@ -300,7 +302,7 @@ class Worker:
             emit("iter", phase=phase, system=system, plan=label, point=point["index"], iter=i, step_s=step,
                  loss=per_rank[0][i]["loss"])
         emit("point", phase=phase, system=system, plan=label, plan_index=plan_index, point=point["index"],
-             tokens=mbs * seq, micro_batch=mbs, seq=seq, iters=iters, step_s=steps,
+             tokens=mbs * seq, micro_batch=mbs, micro_batches=m, seq=seq, iters=iters, step_s=steps,
              median_s=statistics.median(steps), warmup_s=warmup_s, loadavg=(load0, os.getloadavg()[0]), link=links,
              ranks={k: _mean_over(per_rank, k) for k in per_rank[0][0] if k not in ("step_s", "loss")})
 

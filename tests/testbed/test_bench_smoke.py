@@ -9,7 +9,7 @@ import json
 import time
 
 import pytest
-from testbed_helpers import leftovers, run_to_end
+from testbed_helpers import leftovers, run_to_end, why_not_root_capable
 
 from megatron_hybridep.testbed.bench import SMOKE
 
@@ -18,17 +18,29 @@ pytestmark = pytest.mark.slow
 LIMIT_S = 90
 
 
-def test_bench_smoke_end_to_end(root_host, tmp_path):
-    out = tmp_path / "bench"
+def _smoke(out, *extra):
     t0 = time.monotonic()
-    proc, stdout = run_to_end(["-m", "megatron_hybridep", "bench", "--smoke", "--out", str(out)], LIMIT_S,
-                              "bench --smoke")
+    proc, stdout = run_to_end(["-m", "megatron_hybridep", "bench", "--smoke", "--out", str(out), *extra], LIMIT_S,
+                              f"bench --smoke {' '.join(extra)}")
     elapsed = time.monotonic() - t0
     assert proc.returncode == 0, stdout[-4000:]
     assert leftovers(f"hep-{proc.pid}") == []  # namespaces and state file gone
-
     with open(out / "bench.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
+        return list(csv.DictReader(f)), stdout, elapsed
+
+
+@pytest.fixture(scope="module")
+def smoke_m1(tmp_path_factory):
+    """One `bench --smoke` (1 micro-batch), shared by the tests that read it."""
+    why = why_not_root_capable()
+    if why:
+        pytest.skip(why)
+    out = tmp_path_factory.mktemp("bench-m1")
+    return (out, *_smoke(out))
+
+
+def test_bench_smoke_end_to_end(smoke_m1):
+    out, rows, stdout, elapsed = smoke_m1
     systems = {"ep", "replicated", "hybridep", "hybridep-compressed"}
     cells = {(int(r["point"]), r["system"]) for r in rows}
     assert cells == {(p, s) for p in range(SMOKE["points"]) for s in systems}, cells
@@ -49,6 +61,48 @@ def test_bench_smoke_end_to_end(root_host, tmp_path):
     assert summary["command"].startswith("python -m megatron_hybridep bench")
     assert "command: python -m megatron_hybridep bench" in stdout
     print(f"bench --smoke: {elapsed:.1f} s\n{stdout[-3000:]}")
+
+
+# Link counters count wire bytes: per TCP segment of at most 1448 payload bytes a 66-byte header
+# (Ethernet 14 + IP 20 + TCP 32 with timestamps; the bench's --burst-ms turns GSO off, so every
+# segment is counted as sent), and per received segment at most one pure ACK of 66 bytes the other
+# way. With the same payload, two runs can differ only in those headers: at most 2 x 66 bytes per
+# 1448 payload bytes, i.e. 2 x 66 / (1448 + 66) of the wire bytes either way (~8.7%).
+HEADER_NOISE = 2 * 66 / (1448 + 66)
+
+
+def test_bench_micro_batches_hybridep_wan_bytes_per_iteration_do_not_grow(smoke_m1, tmp_path):
+    """--micro-batches 2: HybridEP gathers its borrowed experts and returns their gradients once per
+    iteration, so its WAN bytes per iteration are those of 1 micro-batch; EP's token traffic doubles."""
+    _, rows1, _, _ = smoke_m1
+    rows2, stdout, elapsed = _smoke(tmp_path / "bench-m2", "--micro-batches", "2", "--systems", "ep,hybridep")
+    assert "--micro-batches 2" in stdout and "x 2 micro-batches" in stdout
+
+    def cell(rows, system, point):
+        return next(r for r in rows if r["system"] == system and int(r["point"]) == point)
+
+    compared = []
+    for point in range(SMOKE["points"]):
+        one, two = cell(rows1, "hybridep", point), cell(rows2, "hybridep", point)
+        assert int(two["micro_batches"]) == 2 and int(one["micro_batches"]) == 1
+        # the claim is about borrowed copies: domains spanning the DCs, no token crosses them. (The
+        # planner may run HybridEP as plain EP, "ep (S=1)", at a small point: its tokens then do.)
+        if not (one["plan"] == two["plan"] and one["plan"].startswith("domains dc2")):
+            continue
+        compared.append(point)
+        # the runtime's own payload counters (gathers, returns, tokens across the DCs): exactly equal
+        assert float(two["payload_dc_mb"]) == pytest.approx(float(one["payload_dc_mb"]), rel=1e-9, abs=1e-9)
+        w1 = float(one["wan_tx_mb"]) + float(one["wan_rx_mb"])
+        w2 = float(two["wan_tx_mb"]) + float(two["wan_rx_mb"])
+        assert abs(w2 - w1) <= HEADER_NOISE * max(w1, w2), (point, w1, w2)
+        ep1, ep2 = cell(rows1, "ep", point), cell(rows2, "ep", point)
+        e1 = float(ep1["wan_tx_mb"]) + float(ep1["wan_rx_mb"])
+        e2 = float(ep2["wan_tx_mb"]) + float(ep2["wan_rx_mb"])
+        assert e2 > (1 + HEADER_NOISE) * e1, (point, e1, e2)  # EP's token all-to-alls run per micro-batch
+    top = SMOKE["points"] - 1
+    assert top in compared, ("HybridEP ran without DC-spanning domains at the top point",
+                             [(r["point"], r["plan"]) for r in rows1 + rows2 if r["system"] == "hybridep"])
+    print(f"bench --smoke --micro-batches 2: {elapsed:.1f} s\n{stdout[-3000:]}")
 
 
 # ---- no root needed: the sweep, option checks and the prediction arithmetic ----------------------
@@ -79,7 +133,7 @@ def test_default_sweep_spans_32x_as_micro_batch_times_seq():
     ({"systems": "ep,bogus"}, "--systems"), ({"systems": "hybridep"}, "--systems"), ({"dcs": 1}, "--dcs"),
     ({"min_tokens": 100, "seq": 64}, "--min-tokens"), ({"points": 1}, "--points"), ({"rate": "fast"}, "--rate"),
     ({"ranks_per_dc": 1}, "--systems replicated"), ({"dcs": 3}, "--model"), ({"burst_ms": -1}, "--burst-ms"),
-    ({"compression_ratio": 1}, "--compression-ratio"),
+    ({"compression_ratio": 1}, "--compression-ratio"), ({"micro_batches": 0}, "--micro-batches"),
 ])
 def test_bad_options_name_the_field_and_the_fix(kw, field):
     from megatron_hybridep.testbed.bench import BenchError, resolve
@@ -119,3 +173,55 @@ def test_prediction_adds_the_shaped_network_to_the_unshaped_step():
     assert comp.phases["grad_return"] < hyb.phases["grad_return"] / 10
     rep = bp.predict(shaped, unshaped, work, bp.system_plan("replicated", shaped, 8), 60_000, 0.5)
     assert comp.total < rep.total  # replicated all-reduces full expert gradients over the WAN
+
+
+def test_micro_batches_reach_the_command_and_the_workload():
+    from megatron_hybridep.testbed import bench_predict as bp
+    from megatron_hybridep.testbed.bench import resolve
+
+    cfg = resolve(_args(micro_batches=4, borrowed_copies="microbatch", model="configs/models/bench-moe.yaml"))
+    assert cfg.micro_batches == 4 and not cfg.hold_copies
+    assert "--micro-batches 4 --borrowed-copies microbatch" in cfg.command()
+    assert "--model configs/models/bench-moe.yaml" in cfg.command()
+    assert resolve(_args()).hold_copies and "--micro-batches 1" in resolve(_args()).command()
+    calib = bp.Calibration(t_pre_s=0.08, expert_fwd_s=0.02, expert_rows=16384)
+    one = calib.workload(bp.BUILTIN, 4096, 128)
+    four = calib.workload(bp.BUILTIN, 4096, 128, micro_batches=4)
+    assert four.micro_batches == 4 and four.micro_batch_size == one.micro_batch_size == 32
+    assert four.t_pre_ms == pytest.approx(one.t_pre_ms / 4)  # timings are per iteration of 4 micro-batches
+    shaped = bp.testbed_topology(2, 2, 38.0, 20_000.0)
+    unshaped = bp.testbed_topology(2, 2, 3_000.0, 20_000.0)
+    ep = bp.system_plan("ep", shaped, 8)
+    t1 = bp.predict(shaped, unshaped, one, ep, 60_000, 0.5).phases
+    t4 = bp.predict(shaped, unshaped, four, ep, 60_000, 0.5).phases
+    assert t4["token_a2a"] == pytest.approx(4 * t1["token_a2a"])  # EP's tokens cross the WAN per micro-batch
+    assert t4["dense_grad_allreduce"] == t1["dense_grad_allreduce"]  # once per iteration
+    assert bp.BUILTIN.token_traffic_bytes(4096, 4) == 4 * bp.BUILTIN.token_traffic_bytes(4096)
+
+
+def _param_split(ctx, model_path):
+    from megatron_hybridep.megatron import cpu_runtime
+    from megatron_hybridep.megatron.gpt import GPTMoEArgs, build, initialize_parallel
+    from megatron_hybridep.testbed import bench_predict as bp
+
+    cpu_runtime.enable()
+    args = GPTMoEArgs(**bp.load_model(model_path).gpt_args(128))
+    initialize_parallel(args)
+    gpt = build(args).model.module
+    # one rank, EP 1: every parameter is all-reduced, so tell the experts by name
+    params = dict(gpt.named_parameters())
+    experts = sum(p.numel() for n, p in params.items() if ".experts." in n)
+    return sum(p.numel() for p in params.values()) - experts, experts
+
+
+def test_bench_moe_model_is_expert_heavy():
+    """configs/models/bench-moe.yaml: experts hold >= 90% of the built Megatron model's parameters."""
+    from megatron_hybridep.runtime.launch import run_ranks
+    from megatron_hybridep.testbed import bench_predict as bp
+
+    m = bp.load_model("configs/models/bench-moe.yaml")
+    m.check(4)
+    dense, experts = run_ranks(_param_split, 1, "configs/models/bench-moe.yaml", timeout=120)[0]
+    assert experts == m.num_layers * m.num_experts * m.expert_params
+    assert experts / (dense + experts) >= 0.90, (dense, experts)
+    print(f"bench-moe: {dense:,} dense + {experts:,} expert parameters ({experts / (dense + experts):.1%})")
