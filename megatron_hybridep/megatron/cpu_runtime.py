@@ -382,6 +382,28 @@ def _cpu_reduce_scatter_uneven(orig: Callable) -> Callable:
     return reduce_scatter
 
 
+def _cpu_fp64_main_grads(orig: Callable) -> Callable:
+    """Wraps DistributedOptimizer._copy_model_grads_to_main_grads, which hands each shard its
+    gradient as ``grad.float()``. float64 parameters (--hybridep-fp64, CPU exactness checks) are
+    their own main params (see _CUDA_TYPE_NAMES), and torch refuses a float32 grad on a float64
+    tensor; for those shards the same slice of main_grad is assigned in float64. Any other dtype
+    goes through upstream unchanged."""
+
+    def copy(self: Any) -> None:
+        shards = [s for group in self.shard_fp32_groups for s in group]
+        if not any(s.dtype == torch.float64 for s in shards):
+            return orig(self)
+        orig_float = torch.Tensor.float
+        # upstream's only cast in this method: keep float64 slices float64
+        torch.Tensor.float = lambda t, *a, **k: t if t.dtype == torch.float64 else orig_float(t, *a, **k)
+        try:
+            return orig(self)
+        finally:
+            torch.Tensor.float = orig_float
+
+    return copy
+
+
 class _NotSequenceParallel:
     """A TransformerConfig view that reads sequence_parallel as False (for WrappedTorchNorm)."""
 
@@ -448,6 +470,9 @@ _FUNCTION_PATCHES: tuple[_FunctionPatch, ...] = (
                    "tensor_parallel.mappings._reduce_scatter_along_first_dim (list reduce_scatter)"),
     _FunctionPatch("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__", _cpu_torch_norm_new,
                    "WrappedTorchNorm.__new__ (asserts not config.sequence_parallel)"),
+    _FunctionPatch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._copy_model_grads_to_main_grads",
+                   _cpu_fp64_main_grads, "DistributedOptimizer._copy_model_grads_to_main_grads (grad.float() "
+                   "for float64 params)"),
     _FunctionPatch("megatron.training.arguments", "get_device_arch_version", _cpu_device_arch_version,
                    "training.utils.common_utils.get_device_arch_version as imported by validate_args"),
 )
