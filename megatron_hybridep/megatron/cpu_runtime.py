@@ -225,6 +225,8 @@ _MODULE_SHIMS: dict[str, str] = {
     "megatron.core.dist_checkpointing.strategies.async_utils":
         "AsyncCallsQueue liveness/finalize flags on torch.cuda.current_device(), synchronize",
     "megatron.core.transformer.utils": "get_default_causal_mask (mask built on device=\"cuda\")",
+    "megatron.core.pipeline_parallel.p2p_communication":
+        "P2PCommunicator._communicate (receive buffers on torch.cuda.current_device(), torch.cuda.synchronize)",
     "megatron.core.pipeline_parallel.schedules":
         "forward_backward_* total_num_tokens on device='cuda', autocast('cuda')",
 }
