@@ -52,12 +52,16 @@ def test_every_patch_names_an_upstream_function():
     listing = cpu_runtime.patched_modules()
     assert len(listing) >= 10
     assert all(isinstance(v, str) and v for v in listing.values())
-    for name in listing:  # each entry is an importable module or module.attribute
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            module, attr = name.rsplit(".", 1)
-            assert hasattr(importlib.import_module(module), attr), name
+    for name in listing:  # each entry is an importable module, module.attribute or module.Class.method
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ImportError:
+                continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
 
 
 def test_clip_grad_on_cpu_scales_like_upstream(clean_runtime):
@@ -69,3 +73,71 @@ def test_clip_grad_on_cpu_scales_like_upstream(clean_runtime):
     assert torch.allclose(p.grad, torch.full((4,), 3.0 / (6.0 + 1e-6)))
     clip([p], max_norm=10.0, total_norm=1.0)  # under the limit: untouched
     assert torch.allclose(p.grad, torch.full((4,), 3.0 / (6.0 + 1e-6)))
+
+
+def test_optimizer_type_names_are_cuda_names_only_inside_the_optimizer_constructors(clean_runtime):
+    optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+    original_init = optimizer.Float16OptimizerWithFloat16Params.__init__
+    seen = {}
+
+    def probe(self, *args, **kwargs):
+        seen.update({dtype: torch.zeros(1, dtype=dtype).type() for dtype in
+                     (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)})
+
+    cpu_runtime.enable()
+    assert optimizer.Float16OptimizerWithFloat16Params.__init__.__wrapped__ is original_init
+    wrapper = cpu_runtime._cpu_typed_init(probe)
+    wrapper(object())
+    assert seen == {torch.float32: "torch.cuda.FloatTensor", torch.bfloat16: "torch.cuda.BFloat16Tensor",
+                    torch.float16: "torch.cuda.HalfTensor", torch.float64: "torch.cuda.FloatTensor",
+                    torch.int64: "torch.LongTensor"}
+    assert torch.zeros(1).type() == "torch.FloatTensor"  # outside the constructor: torch's own name
+    assert torch.zeros(1).type(torch.float64).dtype == torch.float64  # conversion untouched
+    cpu_runtime.disable()
+    assert optimizer.Float16OptimizerWithFloat16Params.__init__ is original_init
+
+
+def test_torch_norm_accepts_sequence_parallel_and_marks_its_params(clean_runtime):
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    config = type("Cfg", (), dict(sequence_parallel=True, layernorm_zero_centered_gamma=False,
+                                  persist_layer_norm=False, memory_efficient_layer_norm=False,
+                                  normalization="RMSNorm"))()
+    with pytest.raises(AssertionError, match="sequence parallel"):
+        WrappedTorchNorm(config, 8)
+    cpu_runtime.enable()
+    norm = WrappedTorchNorm(config, 8)
+    assert isinstance(norm, torch.nn.RMSNorm)
+    assert all(p.sequence_parallel for p in norm.parameters())
+    config.sequence_parallel = False
+    assert not hasattr(WrappedTorchNorm(config, 8).weight, "sequence_parallel")
+
+
+def _uneven_collectives(ctx):
+    from megatron.core.tensor_parallel import mappings
+
+    cpu_runtime.enable()
+    group = torch.distributed.new_group([0, 1])
+    sizes = [3, 1]
+    mine = torch.arange(sizes[ctx.rank] * 2, dtype=torch.float64).reshape(-1, 2) + 10 * ctx.rank
+    gathered = mappings._gather_along_first_dim(mine, group, output_split_sizes=sizes)
+    full = torch.arange(8, dtype=torch.float64).reshape(4, 2) * (ctx.rank + 1)
+    scattered = mappings._reduce_scatter_along_first_dim(full, group, input_split_sizes=sizes)
+    return gathered, scattered
+
+
+def test_uneven_gather_and_reduce_scatter_on_gloo_match_their_definition():
+    from megatron_hybridep.runtime.launch import run_ranks
+
+    out = run_ranks(_uneven_collectives, 2, timeout=120)
+    rows = [torch.arange(6, dtype=torch.float64).reshape(3, 2), torch.arange(2, dtype=torch.float64).reshape(1, 2) + 10]
+    full = torch.arange(8, dtype=torch.float64).reshape(4, 2) * 3  # sum over ranks of full * (rank + 1)
+    for rank, (gathered, scattered) in enumerate(out):
+        assert torch.equal(gathered, torch.cat(rows))
+        assert torch.equal(scattered, full[:3] if rank == 0 else full[3:])
+
+
+def test_argument_validation_does_not_initialise_cuda(clean_runtime):
+    arguments = importlib.import_module("megatron.training.arguments")
+    cpu_runtime.enable()
+    assert arguments.get_device_arch_version() == 10  # no CUDA_DEVICE_MAX_CONNECTIONS rule on CPU

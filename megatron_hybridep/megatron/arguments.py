@@ -176,4 +176,7 @@ def parse(argv: Sequence[str], default_config: str | None = None) -> argparse.Na
         sys.argv = saved
     args.config = config
     args.argv = tokens
+    from megatron_hybridep.megatron.supported import check
+
+    check(args)  # combinations that cannot run fail here, before any process or collective
     return args

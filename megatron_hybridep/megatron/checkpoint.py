@@ -18,10 +18,18 @@ def _dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def _sharded_state(model: Any, optimizer: Any, scheduler: Any, iteration: int, loading: bool = False) -> dict[str, Any]:
-    model_sd = model.module.sharded_state_dict()
+def _sharded_state(args: argparse.Namespace, model: Any, optimizer: Any, scheduler: Any, iteration: int,
+                   loading: bool = False) -> dict[str, Any]:
+    from megatron.training.checkpointing import _build_sharded_state_dict_metadata
+
+    # Megatron's own metadata (megatron.training.checkpointing does the same): it picks the
+    # distributed optimizer's sharding type ('dp_reshardable' by default); without it the
+    # optimizer falls back to a flattened-range format that dist_checkpointing 0.19 rejects.
+    metadata = _build_sharded_state_dict_metadata(args)
+    model_sd = model.module.sharded_state_dict(metadata=metadata)
     # is_loading creates the optimizer's (Adam) state first, so the template has slots to fill.
-    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=loading),
+    return {"model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata),
             "opt_param_scheduler": scheduler.state_dict(), "iteration": iteration}
 
 
@@ -32,7 +40,7 @@ def save(args: argparse.Namespace, iteration: int, model: Any, optimizer: Any, s
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, iteration), path)
+    dist_checkpointing.save(_sharded_state(args, model, optimizer, scheduler, iteration), path)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(args.save, TRACKER), "w") as f:
@@ -59,7 +67,7 @@ def load(args: argparse.Namespace, model: Any, optimizer: Any, scheduler: Any) -
         if getattr(args, "exit_on_missing_checkpoint", False):
             raise FileNotFoundError(f"--load {args.load}: no {TRACKER}; fix: point --load at a --save directory")
         return 0
-    template = _sharded_state(model, optimizer, scheduler, iteration, loading=True)
+    template = _sharded_state(args, model, optimizer, scheduler, iteration, loading=True)
     state = dist_checkpointing.load(template, _dir(args.load, iteration))
     model.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])

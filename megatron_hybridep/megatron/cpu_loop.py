@@ -135,7 +135,9 @@ def run(args: argparse.Namespace, collect_params: bool = False,
     args = _validated(args)
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                  pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                                 expert_model_parallel_size=args.expert_model_parallel_size)
+                                 expert_model_parallel_size=args.expert_model_parallel_size,
+                                 expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+                                 virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
     model_parallel_cuda_manual_seed(args.seed)
     runtime = scheduler = None
     if choice is not None and choice.dispatcher == "hybridep":

@@ -3,8 +3,10 @@
 Megatron-Core hard-codes CUDA (device='cuda', torch.cuda.current_device(), CUDA streams/events,
 the CUDA RNG). ``enable()`` makes the listed Megatron modules see a CPU stand-in for ``torch``:
 only those modules, only their module-global name ``torch``, and nothing at all when CUDA is
-available. No Megatron function body is copied or rewritten; two small functions are replaced
-outright (see ``_FUNCTION_PATCHES``) because their logic, not just their device, is CUDA-specific.
+available. No Megatron function body is copied or rewritten; a few functions are replaced or wrapped
+(see ``_FUNCTION_PATCHES``) because their logic, not just their device, is CUDA-specific: the CPU
+tensor type names the optimizers test for, the GPU-architecture query of argument validation, the
+CUDA RNG state accessors, split sizes for all_to_all, and gradient clipping's CUDA type assertion.
 
 Checked against megatron-core 0.19.2 (the version in requirements.lock); the supported range is
 megatron_hybridep.megatron.compat.SUPPORTED. Each entry names the upstream functions it affects.
@@ -209,6 +211,8 @@ _MODULE_SHIMS: dict[str, str] = {
         "_ParamAndGradBuffer allocation on torch.cuda.current_device(), bucket streams",
     "megatron.core.optimizer.optimizer":
         "FP32Optimizer._scale / MixedPrecisionOptimizer.found_inf on device='cuda'",
+    "megatron.core.optimizer.distrib_optimizer":
+        "DistributedOptimizer param-state buffers on torch.cuda.current_device() (save/load of its state)",
     "megatron.core.optimizer.grad_scaler": "ConstantGradScaler/DynamicGradScaler tensors on 'cuda'",
     "megatron.core.optimizer.clip_grads":
         "get_grad_norm_fp32 / clip_grad_by_total_norm_fp32 / count_zeros_fp32 buffers on 'cuda'",
@@ -221,6 +225,8 @@ _MODULE_SHIMS: dict[str, str] = {
     "megatron.core.dist_checkpointing.strategies.async_utils":
         "AsyncCallsQueue liveness/finalize flags on torch.cuda.current_device(), synchronize",
     "megatron.core.transformer.utils": "get_default_causal_mask (mask built on device=\"cuda\")",
+    "megatron.core.pipeline_parallel.p2p_communication":
+        "P2PCommunicator._communicate (receive buffers on torch.cuda.current_device(), torch.cuda.synchronize)",
     "megatron.core.pipeline_parallel.schedules":
         "forward_backward_* total_num_tokens on device='cuda', autocast('cuda')",
 }
@@ -289,10 +295,151 @@ def _cpu_clip_grad_by_total_norm(orig: Callable) -> Callable:
     return clip
 
 
+# Parameter types as the optimizers' type tests expect them: Float16OptimizerWithFloat16Params and
+# DistributedOptimizer sort parameters by ``param.type()`` into 'torch.cuda.{Half,BFloat16}Tensor'
+# (fp32 main copy made) and 'torch.cuda.FloatTensor' (the param is its own main param), and raise
+# TypeError for anything else, CPU tensors included. float64 (--hybridep-fp64, exactness tests)
+# takes the full-precision path: like fp32, it is its own main param.
+_CUDA_TYPE_NAMES = {torch.float16: "torch.cuda.HalfTensor", torch.bfloat16: "torch.cuda.BFloat16Tensor",
+                    torch.float32: "torch.cuda.FloatTensor", torch.float64: "torch.cuda.FloatTensor"}
+
+
+@contextlib.contextmanager
+def _cuda_type_names() -> Any:
+    """While active, ``t.type()`` (no argument) of a CPU float tensor returns the CUDA name above.
+    torch.Tensor.type is a class attribute, so this is process-wide for the duration: it is held
+    only around the optimizers' constructors (see _cpu_typed_init), which run before any thread."""
+    original = torch.Tensor.type
+
+    def type_name(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+        if dtype is None and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = type_name
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _cpu_typed_init(orig: Callable) -> Callable:
+    """Wraps an optimizer ``__init__`` whose parameter sorting tests ``param.type()`` for CUDA names."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - replaces __init__
+        with _cuda_type_names():
+            orig(self, *args, **kwargs)
+
+    __init__.__wrapped__ = orig
+    return __init__
+
+
+def _cpu_device_arch_version(orig: Callable) -> Callable:
+    """Replaces get_device_arch_version (torch.cuda.get_device_properties('cuda:0').major) in
+    argument validation, which calls it for TP/CP > 1 and initialises CUDA (fatal in a forked rank).
+    A CPU has no CUDA_DEVICE_MAX_CONNECTIONS hardware-queue ordering to require, which is what the
+    'Blackwell or later' answer (10) means to validate_args."""
+
+    def arch() -> int:
+        return 10
+
+    return arch
+
+
+def _cpu_gather_uneven(orig: Callable) -> Callable:
+    """Wraps mappings._gather_along_first_dim. With output_split_sizes (the alltoall dispatcher's
+    TP gather of routed tokens under sequence parallelism) upstream calls all_gather with a list of
+    unequal tensors, which NCCL accepts and gloo rejects ('invalid tensor size'). Same result on
+    CPU: pad every rank's rows to the largest split, gather equal blocks, drop the padding."""
+
+    def gather(input_: torch.Tensor, group: Any, output_split_sizes: Any = None,
+               use_global_buffer: bool = False) -> torch.Tensor:
+        if output_split_sizes is None or input_.is_cuda or group.size() == 1:
+            return orig(input_, group, output_split_sizes, use_global_buffer)
+        width = max(output_split_sizes)
+        padded = input_.new_zeros((width, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        blocks = orig(padded, group).split(width)
+        return torch.cat([block[:n] for block, n in zip(blocks, output_split_sizes, strict=True)])
+
+    return gather
+
+
+def _cpu_reduce_scatter_uneven(orig: Callable) -> Callable:
+    """Wraps mappings._reduce_scatter_along_first_dim. With input_split_sizes (the dispatcher's
+    combine under sequence parallelism) upstream calls the list reduce_scatter, which gloo lacks.
+    Same result on CPU: pad each split to the largest with zeros, reduce-scatter equal blocks,
+    keep this rank's rows."""
+
+    def reduce_scatter(input_: torch.Tensor, group: Any, input_split_sizes: Any = None,
+                       use_global_buffer: bool = False) -> torch.Tensor:
+        if input_split_sizes is None or input_.is_cuda or group.size() == 1:
+            return orig(input_, group, input_split_sizes, use_global_buffer)
+        width = max(input_split_sizes)
+        padded = input_.new_zeros((group.size() * width, *input_.shape[1:]))
+        for i, part in enumerate(input_.split(list(input_split_sizes))):
+            padded[i * width: i * width + part.shape[0]] = part
+        return orig(padded, group)[: input_split_sizes[group.rank()]]
+
+    return reduce_scatter
+
+
+def _cpu_fp64_main_grads(orig: Callable) -> Callable:
+    """Wraps DistributedOptimizer._copy_model_grads_to_main_grads, which hands each shard its
+    gradient as ``grad.float()``. float64 parameters (--hybridep-fp64, CPU exactness checks) are
+    their own main params (see _CUDA_TYPE_NAMES), and torch refuses a float32 grad on a float64
+    tensor; for those shards the same slice of main_grad is assigned in float64. Any other dtype
+    goes through upstream unchanged."""
+
+    def copy(self: Any) -> None:
+        shards = [s for group in self.shard_fp32_groups for s in group]
+        if not any(s.dtype == torch.float64 for s in shards):
+            return orig(self)
+        orig_float = torch.Tensor.float
+        # upstream's only cast in this method: keep float64 slices float64
+        torch.Tensor.float = lambda t, *a, **k: t if t.dtype == torch.float64 else orig_float(t, *a, **k)
+        try:
+            return orig(self)
+        finally:
+            torch.Tensor.float = orig_float
+
+    return copy
+
+
+class _NotSequenceParallel:
+    """A TransformerConfig view that reads sequence_parallel as False (for WrappedTorchNorm)."""
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    sequence_parallel = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def _cpu_torch_norm_new(orig: Callable) -> Callable:
+    """Wraps WrappedTorchNorm.__new__, which asserts 'sequence parallel not supported by torch
+    LayerNorm' (the local spec's norm without Apex, i.e. always on CPU). A norm is per-token, so it
+    runs unchanged on a sequence shard; what SP needs is its weight gradients summed over the TP
+    group, which finalize_model_grads does for params marked ``sequence_parallel``, the mark
+    Megatron's Apex/TE norms set. Same mark here."""
+
+    def __new__(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N807 - replaces __new__
+        if not config.sequence_parallel:
+            return orig(cls, config, *args, **kwargs)
+        norm = orig(cls, _NotSequenceParallel(config), *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    return staticmethod(__new__)
+
+
 @dataclass(frozen=True)
 class _FunctionPatch:
     module: str
-    attr: str
+    attr: str  # attribute of the module, or 'Class.method'
     replacement: Callable[[Any], Any]  # original -> replacement
     upstream: str
 
@@ -313,7 +460,33 @@ _FUNCTION_PATCHES: tuple[_FunctionPatch, ...] = (
     _FunctionPatch("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker",
                    lambda orig: type("CpuRNGStatesTracker", (_CpuRNGStatesTracker, orig), {}),
                    "tensor_parallel.random.CudaRNGStatesTracker.fork"),
+    _FunctionPatch("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
+                   _cpu_typed_init, "Float16OptimizerWithFloat16Params.__init__ (param.type() in CUDA names)"),
+    _FunctionPatch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
+                   _cpu_typed_init, "DistributedOptimizer.__init__ / _build_model_and_main_param_groups "
+                   "(param.type() in CUDA names)"),
+    _FunctionPatch("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim", _cpu_gather_uneven,
+                   "tensor_parallel.mappings._gather_along_first_dim (uneven all_gather list)"),
+    _FunctionPatch("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim",
+                   _cpu_reduce_scatter_uneven,
+                   "tensor_parallel.mappings._reduce_scatter_along_first_dim (list reduce_scatter)"),
+    _FunctionPatch("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__", _cpu_torch_norm_new,
+                   "WrappedTorchNorm.__new__ (asserts not config.sequence_parallel)"),
+    _FunctionPatch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._copy_model_grads_to_main_grads",
+                   _cpu_fp64_main_grads, "DistributedOptimizer._copy_model_grads_to_main_grads (grad.float() "
+                   "for float64 params)"),
+    _FunctionPatch("megatron.training.arguments", "get_device_arch_version", _cpu_device_arch_version,
+                   "training.utils.common_utils.get_device_arch_version as imported by validate_args"),
 )
+
+
+def _owner(patch: _FunctionPatch) -> tuple[Any, str]:
+    """(object holding the attribute, attribute name) for a patch's 'attr' or 'Class.method'."""
+    owner = importlib.import_module(patch.module)
+    *path, name = patch.attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
 
 _lock = threading.Lock()
 _saved: list[tuple[Any, str, Any]] = []  # (module, attr, original) in patch order
@@ -347,10 +520,10 @@ def enable(force: bool = False) -> bool:
             _saved.append((module, "torch", module.torch))
             module.torch = shim
         for patch in _FUNCTION_PATCHES:
-            module = importlib.import_module(patch.module)
-            original = getattr(module, patch.attr)
-            _saved.append((module, patch.attr, original))
-            setattr(module, patch.attr, patch.replacement(original))
+            owner, name = _owner(patch)
+            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            _saved.append((owner, name, original))
+            setattr(owner, name, patch.replacement(original))
         _reset_rng_tracker()
         return True
 

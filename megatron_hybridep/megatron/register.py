@@ -25,8 +25,10 @@ _SPEC_MODULES = ("megatron.core.models.gpt.moe_module_specs",)
 def register() -> None:
     """Make ``moe_token_dispatcher_type='hybridep'`` selectable. Idempotent."""
     check_megatron_version()
+    from megatron_hybridep.megatron import param_versions
     from megatron_hybridep.megatron.moe_layer import HybridEPMoELayer
 
+    param_versions.install()  # borrowed copies see bf16/fp16 optimizer steps
     for name in _SPEC_MODULES:
         module = importlib.import_module(name)
         module.MoELayer = HybridEPMoELayer

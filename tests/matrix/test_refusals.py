@@ -1,0 +1,37 @@
+"""Combinations that cannot run are refused when arguments are parsed (before any process starts
+or any collective runs), with one line naming the flag and the fix."""
+
+import pytest
+
+from megatron_hybridep.megatron.supported import UnsupportedConfiguration, check
+from tests.matrix.harness import PRESET, TINY
+
+pytestmark = pytest.mark.matrix
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"], "--expert-tensor-parallel-size"),
+    (["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2"], "--expert-tensor-parallel-size"),
+    (["--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"], "--moe-shared-expert-overlap"),
+    (["--use-distributed-optimizer", "--save", "/nonexistent/ckpt"], "--use-distributed-optimizer"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "--num-layers-per-virtual-pipeline-stage"),
+])
+def test_unsupported_combination_is_refused_at_parse_naming_the_flag(flags, flag):
+    from megatron_hybridep.megatron.arguments import parse
+
+    with pytest.raises(UnsupportedConfiguration) as err:
+        parse([*TINY, *flags], default_config=PRESET)
+    message = str(err.value)
+    assert message.startswith(flag + ":") and "fix:" in message and "\n" not in message, message
+
+
+def test_the_same_flags_pass_with_alltoall_or_the_fix_applied():
+    from megatron_hybridep.megatron.arguments import parse
+
+    tp = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
+    parse([*TINY, *tp, "--moe-token-dispatcher-type", "alltoall"], default_config=PRESET)
+    parse([*TINY, *tp, "--expert-tensor-parallel-size", "1"], default_config=PRESET)
+    args = parse([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "4"], default_config=PRESET)
+    args.num_layers_per_virtual_pipeline_stage = 1
+    check(args, cpu=False)  # a CPU-loop limit only: Megatron's own loop runs virtual stages
