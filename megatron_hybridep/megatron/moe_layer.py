@@ -157,7 +157,7 @@ class HybridEPMoELayer(MoELayer):
             replicas = ReplicaExchange(list(self.experts.named_parameters()), local, plan, groups.ep_rank,
                                        self._runtime.ep_group, layer=self._layer_key(), stats=self._runtime.stats,
                                        levels=levels, hold=self._runtime.migration.hold_copies, defer=self._defer,
-                                       asynchronous=self._asynchronous)
+                                       asynchronous=self._asynchronous, step=lambda: self._runtime.step)
         instrument(dispatcher, self._runtime.stats, self._layer_key(), groups.rail_levels)
         return PlanState(dispatcher, gather, replicas)
 

@@ -111,7 +111,13 @@ def build_runtime(args: argparse.Namespace, choice: PlanChoice, ep_group: Any = 
     plans = [choice.plan]
     if args.hybridep_replan_interval and choice.result is not None:
         plans = [c.plan for c in choice.result.candidates if c.plan.kind == "domains"]
-    runtime = setup(plans, ep_group=ep_group, num_experts=args.num_experts, migration=migration_from_args(args),
+    from megatron_hybridep.plan.cost import resolve_borrowed_copies
+
+    # auto: hold copies for the iteration when they fit the topology's memory, else per micro-batch
+    mode, why = resolve_borrowed_copies(choice.topology, workload_for(args), choice.plan)
+    args.hybridep_borrowed_copies_reason = why
+    migration = dataclasses.replace(migration_from_args(args), hold_copies=mode == "iteration")
+    runtime = setup(plans, ep_group=ep_group, num_experts=args.num_experts, migration=migration,
                     active=plans.index(choice.plan))
     if args.hybridep_replan_interval:
         from megatron_hybridep.runtime.scheduler import PlanScheduler, SchedulerConfig

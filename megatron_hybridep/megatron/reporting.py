@@ -47,6 +47,9 @@ class Reporter:
             p = self.choice.plan
             print(f"[pretrain_moe] plan: {p.label}; domains {list(p.domains)}; rails {list(p.rails)}"
                   + (f"; predicted {self.predicted * 1e3:.1f} ms/iter" if self.predicted else ""), flush=True)
+            why = getattr(self.args, "hybridep_borrowed_copies_reason", None)
+            if why and self.runtime is not None:
+                print(f"[pretrain_moe] borrowed copies: {why}", flush=True)
             if self.args.hybridep_log_plan and self.choice.result is not None:
                 for c in self.choice.result.candidates:
                     mark = "*" if c.plan == self.choice.plan else " "

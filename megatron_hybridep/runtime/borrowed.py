@@ -19,8 +19,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 
-def version_key(params: Sequence[torch.Tensor]) -> tuple[int, ...]:
-    return tuple(p._version for p in params)
+def version_key(params: Sequence[torch.Tensor], step: int = 0) -> tuple[int, ...]:
+    """The runtime's optimizer-step count (after_optimizer_step) and the parameters' versions: either
+    moving makes a copy stale (a loop that does not report steps, an optimizer writing ``.data``)."""
+    return (step, *(p._version for p in params))
 
 
 class OwedGradient:

@@ -225,10 +225,10 @@ class DomainGather:
         """Right after the optimizer step (compressed only): encode now, while the weights are fresh,
         and launch the gather later (prefetch order). Encoding again before a launch replaces it."""
         if self.codec is not None and self.size > 1 and self._pending is None and not self._holds_current():
-            self._encoded, self._encoded_key = self._encode(), version_key(self.params)
+            self._encoded, self._encoded_key = self._encode(), version_key(self.params, self._step)
 
     def _holds_current(self) -> bool:
-        return self._copy is not None and self._copy_key == version_key(self.params)
+        return self._copy is not None and self._copy_key == version_key(self.params, self._step)
 
     def start(self) -> None:
         """Launch the all-gather now: a no-op if one for the current parameters is in flight or their
@@ -237,7 +237,7 @@ class DomainGather:
         outlived a step) is waited for and dropped, never used."""
         if self.size == 1:
             return
-        key = version_key(self.params)
+        key = version_key(self.params, self._step)
         if self._pending is not None:
             if self._pending.key == key:
                 return

@@ -53,7 +53,8 @@ class ReplicaExchange:
     def __init__(self, params: Sequence[tuple[str, torch.nn.Parameter]], num_local: int, plan: Plan,
                  ep_rank: int, group: dist.ProcessGroup, layer: int = 0, stats: Stats | None = None,
                  levels: Sequence[str] | None = None, hold: bool = False,
-                 defer: Callable[[], bool] | None = None, asynchronous: Callable[[], bool] | None = None) -> None:
+                 defer: Callable[[], bool] | None = None, asynchronous: Callable[[], bool] | None = None,
+                 step: Callable[[], int] | None = None) -> None:
         ordered = expert_major(params, num_local)
         self.names = [n for n, _ in ordered]
         self.params = [p for _, p in ordered]
@@ -71,13 +72,14 @@ class ReplicaExchange:
         self.out_splits = [self.row * sum(1 for e in self.experts if e // L == q) for q in range(G)]
         self._pending: _Pending | None = None
         self.hold = hold
+        self.step = step or (lambda: 0)  # the runtime's optimizer-step count
         self._copy: torch.Tensor | None = None
         self._copy_key: tuple[int, ...] | None = None
         self.owed = OwedGradient(defer if defer is not None and hold else (lambda: False), self._return_grads,
                                  self._launch_return, asynchronous if hold else None)
 
     def _holds_current(self) -> bool:
-        return self.hold and self._copy is not None and self._copy_key == version_key(self.params)
+        return self.hold and self._copy is not None and self._copy_key == version_key(self.params, self.step())
 
     def _flat(self, detach: bool) -> torch.Tensor:
         return torch.cat([(p.detach() if detach else p).reshape(-1) for p in self.params])
@@ -86,7 +88,7 @@ class ReplicaExchange:
         """Issue the weight all-to-all now (no-op if in flight). Weights must not change until
         ``exchange``: call after the optimizer step or within the forward pass. An exchange of older
         weights (a prefetch that outlived a step) is waited for and dropped."""
-        key = version_key(self.params)
+        key = version_key(self.params, self.step())
         if self._pending is not None:
             if self._pending.key == key:
                 return
