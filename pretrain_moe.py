@@ -118,6 +118,13 @@ def one_line(error: BaseException, args=None) -> str:  # noqa: ANN001
     text = str(error).strip().splitlines()
     if text and not isinstance(error, AssertionError):
         line = " ".join(t.strip() for t in text)
+        import re
+
+        field = re.match(r"model\.(\w+):", line)  # the cost model's workload, built from flags
+        if field and args is not None:
+            name = next((n for n in (f"hybridep_{field.group(1)}", field.group(1)) if hasattr(args, n)), None)
+            if name:
+                return f"--{name.replace('_', '-')} {getattr(args, name)}: {line}"
         for flag in ("--hybridep-topology", "--hybridep-plan", "--hybridep-dc-map", "--config", "--load"):
             value = getattr(args, flag[2:].replace("-", "_"), None)
             if value and str(value) in line and flag not in line:  # a file's own error: say which flag
