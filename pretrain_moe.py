@@ -18,6 +18,7 @@ import warnings
 REPO = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PRESET = os.path.join(REPO, "configs", "presets", "cpu_demo.yaml")
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*not installed.*")
+warnings.filterwarnings("ignore", message=".*transformer-engine>=1.7.0 supports MoE experts.*")
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
@@ -32,7 +33,20 @@ def _args(argv: list[str]):  # noqa: ANN202
 def _rank_main(ctx, argv: list[str]):  # noqa: ANN001, ANN202 - run_ranks entry
     from megatron_hybridep.megatron import cpu_loop
 
-    return cpu_loop.run(_args(argv))
+    args = _args(argv)
+    try:
+        return cpu_loop.run(args)
+    except Exception as e:
+        # The parent prints the first rank's last line; make it the one-line form with the flags.
+        raise RuntimeError(one_line(e, args)) from e
+
+
+def _save_report(text: str) -> str:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", prefix="pretrain_moe-failure-", suffix=".log", delete=False) as f:
+        f.write(text)
+    return f.name
 
 
 def _launched_rank(argv: list[str]) -> int:
@@ -51,7 +65,11 @@ def _launched_rank(argv: list[str]) -> int:
     from megatron_hybridep.megatron import cpu_loop
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    dist.init_process_group("gloo")
+    # No local launcher to watch progress: torch.distributed's own collective timeout, from the same flag.
+    stall = args.hybridep_stall_timeout
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", **({"timeout": timedelta(seconds=stall)} if stall else {}))
     try:
         cpu_loop.run(args)
     finally:
@@ -59,17 +77,131 @@ def _launched_rank(argv: list[str]) -> int:
     return 0
 
 
+def preflight(args, world: int) -> None:  # noqa: ANN001
+    """What every rank would check before its first collective, done once here: topology, plan,
+    Megatron's validate_args and its LR scheduler's assertions. Raises the first problem."""
+    import contextlib
+    import copy
+    import io
+    import logging
+
+    from megatron_hybridep.megatron import cpu_loop
+
+    trial = copy.deepcopy(args)
+    trial.world_size, trial.rank = world, 0
+    quiet = io.StringIO()
+    logging.disable(logging.WARNING)  # the ranks print the planner's warnings; not twice
+    try:
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cpu_loop._plan_job(trial, world)
+            from megatron.training.arguments import validate_args
+            from megatron.training.global_vars import set_args
+            from megatron.training.training import get_optimizer_param_scheduler
+
+            validate_args(trial)
+            set_args(trial)
+            get_optimizer_param_scheduler(_NoOptimizer())
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+class _NoOptimizer:
+    """Enough of an optimizer for Megatron's OptimizerParamScheduler to run its checks."""
+
+    param_groups: list = []  # noqa: RUF012
+
+
+def one_line(error: BaseException, args=None) -> str:  # noqa: ANN001
+    """A bad input as one line: the message, or for a bare Megatron assertion its source line with
+    the flags it involves and their values."""
+    text = str(error).strip().splitlines()
+    if text and not isinstance(error, AssertionError):
+        line = " ".join(t.strip() for t in text)
+        import re
+
+        field = re.match(r"model\.(\w+):", line)  # the cost model's workload, built from flags
+        if field and args is not None:
+            name = next((n for n in (f"hybridep_{field.group(1)}", field.group(1)) if hasattr(args, n)), None)
+            if name:
+                return f"--{name.replace('_', '-')} {getattr(args, name)}: {line}"
+        for flag in ("--hybridep-topology", "--hybridep-plan", "--hybridep-dc-map", "--config", "--load"):
+            value = getattr(args, flag[2:].replace("-", "_"), None)
+            if value and str(value) in line and flag not in line:  # a file's own error: say which flag
+                return f"{flag} {line}"
+        return line
+    import traceback
+
+    frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+    where = f"`{frame.line}` ({_short(frame.filename)}:{frame.lineno})" if frame else type(error).__name__
+    message = f"{' '.join(text)}; " if text else ""
+    flags = _flags_in(frame.line if frame else " ".join(text), args)
+    return (f"Megatron's check failed: {message}{where}"
+            + (f"; involved: {flags}; fix: change these flags" if flags else "; fix: see the flags it names"))
+
+
+_ALIASES = {"lr_warmup_steps": ("lr_warmup_iters", "lr_warmup_fraction"),
+            "lr_decay_steps": ("lr_decay_iters", "train_iters"), "wsd_decay_steps": ("lr_wsd_decay_iters",),
+            "init_lr": ("lr_warmup_init",), "max_lr": ("lr",), "start_wd": ("start_weight_decay",),
+            "end_wd": ("end_weight_decay",)}
+
+
+def _flags_in(line: str, args) -> str:  # noqa: ANN001
+    import re
+
+    if args is None:
+        return ""
+    names: list[str] = []
+    for word in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", line):
+        for dest in _ALIASES.get(word, (word,)):
+            if dest not in names and getattr(args, dest, None) is not None and dest not in ("self", "args"):
+                names.append(dest)
+    return ", ".join(f"--{n.replace('_', '-')} {getattr(args, n)}" for n in names)
+
+
+def _short(path: str) -> str:
+    return path.split("site-packages/")[-1].replace(REPO + "/", "")
+
+
+def _first_error(failure) -> str:  # noqa: ANN001
+    """The root cause among the ranks' reports: the lowest rank that raised (not one stopped after it)."""
+    for rank in sorted(failure.reports):
+        lines = [x for x in failure.reports[rank].strip().splitlines() if x.strip()]
+        if lines and not lines[0].startswith(("stopped after", "waiting for")):
+            last = next((x for x in reversed(lines) if x and not x.startswith(" ")), lines[-1])
+            return f"rank {rank}: {last.strip()}"
+    return "every rank stopped; " + failure.reports[min(failure.reports)].splitlines()[0]
+
+
 def main(argv: list[str]) -> int:
     if "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ:
         return _launched_rank(argv)
-    from megatron_hybridep.runtime.launch import run_ranks
+    from megatron_hybridep.runtime.launch import RankFailure, StallRule, run_ranks
 
-    args = _args(argv)  # parse once here: bad flags fail before any process starts
-    nproc = args.hybridep_nproc
+    args = None
+    try:
+        args = _args(argv)  # parse and check here: bad input fails before any process starts
+        nproc = args.hybridep_nproc
+        if nproc < 1:
+            raise ValueError(f"--hybridep-nproc {nproc}: fix: at least 1 rank")
+        preflight(args, nproc)
+    except SystemExit as e:  # argparse already printed its one-line usage error
+        return int(e.code or 0)
+    except Exception as e:  # noqa: BLE001 - bad input: one line, no traceback
+        print(f"pretrain_moe.py: error: {one_line(e, args)}", file=sys.stderr)
+        return 2
     print(f"[pretrain_moe] launching {nproc} local CPU ranks (gloo) with "
           f"{args.config or 'command-line flags'}; inter-DC links are NOT shaped (loopback) — "
           "use 'hybridep bench' / the testbed for emulated WAN links", flush=True)
-    summaries = run_ranks(_rank_main, nproc, argv, timeout=float(os.environ.get("HYBRIDEP_TIMEOUT", 3600)))
+    stall = args.hybridep_stall_timeout
+    rule = None if stall == 0 else StallRule(fixed=stall)
+    try:
+        summaries = run_ranks(_rank_main, nproc, argv, timeout=float(os.environ.get("HYBRIDEP_TIMEOUT", 3600)),
+                              stall=rule)
+    except RankFailure as e:
+        report = _save_report(str(e))
+        print(f"pretrain_moe.py: error: {_first_error(e)} (every rank's report: {report})", file=sys.stderr)
+        return 1
     s = summaries[0]
     from megatron_hybridep.megatron.data import corpus, source
 

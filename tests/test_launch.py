@@ -76,3 +76,69 @@ def test_hang_fails_fast_with_stack(tmp_path):
     assert "_hang_on_rank_zero" in info.value.reports[0]  # the hung rank's stack
     assert 1 not in info.value.reports
     _assert_all_gone(str(tmp_path))
+
+
+def _stall_rank_one(ctx, pid_dir, iterations):
+    import signal
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hybridep.runtime.launch import progress
+
+    _record_pid(ctx, pid_dir)
+    for it in range(iterations):
+        progress(it, "forward")
+        if ctx.rank == 1 and it == 3:
+            os.kill(os.getpid(), signal.SIGSTOP)  # stalled mid-iteration, as `kill -STOP` would
+        dist.all_reduce(torch.ones(1))
+        progress(it, "all-reduce done", step_seconds=0.001)
+    return "done"
+
+
+def test_stalled_rank_is_named_and_everything_stops(tmp_path):
+    from megatron_hybridep.runtime.launch import StallFailure, StallRule
+
+    start = time.monotonic()
+    with pytest.raises(StallFailure) as info:
+        run_ranks(_stall_rank_one, 3, str(tmp_path), 10**6, timeout=300, stall=StallRule(fixed=3.0))
+    elapsed = time.monotonic() - start
+    assert info.value.stalled == [1]
+    report = info.value.reports[1]
+    assert "rank 1 (pid" in report and "iteration 3, phase 'forward'" in report and "stopped" in report, report
+    assert "waiting for stalled rank(s) [1]" in info.value.reports[0]
+    assert elapsed < 60  # 3 s stall timeout + start-up on a loaded machine; the run timeout is 300 s
+    _assert_all_gone(str(tmp_path))
+
+
+def test_stall_rule_defaults_scale_with_step_time():
+    from megatron_hybridep.runtime.launch import StallRule
+
+    rule = StallRule()
+    assert rule.seconds() == 60.0  # floor: never shorter than a minute by default
+    assert rule.seconds(median_step=12.0) == 120.0  # a 12 s (WAN) step: 10 steps
+    assert rule.seconds(median_step=0.1, predicted_step=40.0) == 120.0  # before measurements: the prediction
+    assert StallRule(fixed=5.0).seconds(median_step=100.0) == 5.0
+
+
+def _slow_but_alive(ctx, pid_dir):
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hybridep.runtime.launch import progress
+
+    _record_pid(ctx, pid_dir)
+    for it in range(3):
+        progress(it, "step", step_seconds=2.5)
+        if ctx.rank == 0:
+            threading.Event().wait(timeout=2.5)  # a slow step (e.g. a WAN collective), not a stall
+        dist.all_reduce(torch.ones(1))
+    return "done"
+
+
+def test_slow_steps_do_not_trip_the_derived_stall_timeout(tmp_path):
+    from megatron_hybridep.runtime.launch import StallRule
+
+    # floor 1 s would trip on a 2.5 s step, but 10 x the measured median (25 s) does not
+    rule = StallRule(floor=1.0)
+    assert run_ranks(_slow_but_alive, 2, str(tmp_path), timeout=120, stall=rule) == ["done", "done"]

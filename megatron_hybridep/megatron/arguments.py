@@ -37,6 +37,17 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    """argparse type: seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; fix: seconds >= 0 (0 = off)") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not finite and >= 0; fix: seconds >= 0 (0 = off)")
+    return value
+
+
 def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron extra-args provider: the plugin's flags, and 'hybridep' as a dispatcher choice."""
     _allow_hybridep_dispatcher(parser)
@@ -79,6 +90,10 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--hybridep-fp64", action="store_true",
                    help="CPU only: float64 parameters and gradients (exactness checks against alltoall)")
     g.add_argument("--hybridep-log-plan", action="store_true", help="print every candidate plan at start-up")
+    g.add_argument("--hybridep-stall-timeout", type=_seconds, default=None,
+                   help="seconds without progress after which a rank counts as stalled and the job fails naming "
+                        "it (default: max(60, 10 x median measured step, 3 x predicted step); 0 = off; under "
+                        "torchrun/srun it sets torch.distributed's collective timeout)")
     g.add_argument("--hybridep-nproc", type=int, default=4,
                    help="ranks to launch on this machine when not started by torchrun/srun (CPU, gloo)")
     g.add_argument("--hybridep-synthetic-data", action="store_true",

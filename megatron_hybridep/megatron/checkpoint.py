@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import signal
 from typing import Any
 
 import torch
@@ -34,19 +36,40 @@ def _sharded_state(args: argparse.Namespace, model: Any, optimizer: Any, schedul
 
 
 def save(args: argparse.Namespace, iteration: int, model: Any, optimizer: Any, scheduler: Any) -> str:
+    """Atomic: every rank writes into iter_N.partial; only after all have finished does rank 0
+    rename it to iter_N and then replace the tracker (os.replace), so a rank killed mid-save leaves
+    the tracker on the previous complete checkpoint and no half-written iter_N."""
     from megatron.core import dist_checkpointing
 
     path = _dir(args.save, iteration)
+    partial = path + ".partial"
     if dist.get_rank() == 0:
-        os.makedirs(path, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # a previous attempt killed mid-save
+        os.makedirs(partial)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(args, model, optimizer, scheduler, iteration), path)
+    dist_checkpointing.save(_sharded_state(args, model, optimizer, scheduler, iteration), partial)
+    _test_hook_die_in_save(iteration)
     dist.barrier()
     if dist.get_rank() == 0:
-        with open(os.path.join(args.save, TRACKER), "w") as f:
+        if os.path.exists(path):  # re-saving an iteration (a resumed run): the new one wins
+            shutil.rmtree(path)
+        os.rename(partial, path)
+        tmp = os.path.join(args.save, TRACKER + ".tmp")
+        with open(tmp, "w") as f:
             f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(args.save, TRACKER))
     dist.barrier()
     return path
+
+
+def _test_hook_die_in_save(iteration: int) -> None:
+    """HYBRIDEP_TEST_DIE_IN_SAVE=RANK:ITERATION kills that rank after its shards are written and before
+    the checkpoint is committed (tests/faults: a rank killed while a checkpoint is being saved)."""
+    spec = os.environ.get("HYBRIDEP_TEST_DIE_IN_SAVE")
+    if spec and spec == f"{dist.get_rank()}:{iteration}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def latest_iteration(root: str) -> int | None:

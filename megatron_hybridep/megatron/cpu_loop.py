@@ -165,8 +165,11 @@ def run(args: argparse.Namespace, collect_params: bool = False,
     forward_backward = get_forward_backward_func()
     iterators = [_MicroBatches() for _ in chunks]
     saved = False
+    from megatron_hybridep.runtime.launch import progress  # the launcher's stall monitor (no-op elsewhere)
+
     while iteration < args.train_iters:
         t0 = time.perf_counter()
+        progress(iteration, "forward-backward", predicted_seconds=reporter.predicted)
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -177,6 +180,7 @@ def run(args: argparse.Namespace, collect_params: bool = False,
                                   else iterators[0], model=chunks, num_microbatches=micro,
                                   seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                                   forward_only=False)
+        progress(iteration, "optimizer step")
         ok, grad_norm, _ = optimizer.step()
         if not ok:
             raise RuntimeError(f"iteration {iteration}: optimizer step skipped (non-finite gradients)")
@@ -189,6 +193,7 @@ def run(args: argparse.Namespace, collect_params: bool = False,
             runtime.after_optimizer_step()
         seconds = time.perf_counter() - t0
         reporter.step(iteration, _mean_loss(losses), seconds, grad_norm, lr_scheduler, decision)
+        progress(iteration, "checkpoint save" if args.save else "end of iteration", step_seconds=seconds)
         if on_iteration is not None:
             on_iteration(iteration, seconds, decision)
         saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)

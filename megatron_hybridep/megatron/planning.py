@@ -81,7 +81,8 @@ def migration_from_args(args: argparse.Namespace) -> MigrationConfig:
                            use_shared=not args.hybridep_no_shared_expert,
                            shared_refresh_every=args.hybridep_shared_refresh_interval,
                            incremental=getattr(args, "hybridep_residual_base", "copy") == "copy",
-                           hold_copies=getattr(args, "hybridep_borrowed_copies", "auto") != "microbatch")
+                           hold_copies=getattr(args, "hybridep_borrowed_copies", "auto") != "microbatch",
+                           check_finite=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)))
 
 
 def setup_from_args(args: argparse.Namespace, world_size: int, ep_group: Any = None) -> PlanChoice:

@@ -321,7 +321,12 @@ class Plan:
         except KeyError as exc:
             raise PlanError(f"{source}.{exc.args[0]}: missing; fix: regenerate the plan with "
                             "'hybridep plan --out'") from None
+        except TypeError as exc:  # e.g. level_counts: 5 (not a list)
+            raise PlanError(f"{source}: {_first_bad_list(d)} ({exc}); fix: regenerate the plan with "
+                            "'hybridep plan --out'") from None
         for key, derived in (("domains", plan.domains), ("rails", plan.rails)):
+            if key in d and not (isinstance(d[key], list) and all(isinstance(g, list) for g in d[key])):
+                raise PlanError(f"{source}.{key}: expected a list of rank lists; fix: regenerate the plan")
             if key in d and [tuple(g) for g in d[key]] != list(derived):
                 raise PlanError(f"{source}.{key}: does not match level_counts/domain_sizes; fix: edit only "
                                 "kind, level_counts and domain_sizes, or regenerate the plan")
@@ -349,3 +354,13 @@ class Plan:
             raise PlanError(f"{path}: plan file not found; fix: create it with "
                             "'hybridep plan ... --out PATH'") from None
 
+
+def _first_bad_list(d: dict) -> str:
+    """The first of a plan's list fields that is not a list (for a message naming the field)."""
+    for key in ("level_names", "level_counts", "domain_sizes"):
+        if not isinstance(d.get(key), list):
+            return f"{key}: expected a list, got {d.get(key)!r}"
+    for key in ("predicted", "link_bytes"):
+        if key in d and not isinstance(d[key], dict):
+            return f"{key}: expected a mapping, got {d[key]!r}"
+    return "a malformed field"

@@ -264,8 +264,13 @@ class Workload:
         except TypeError as exc:  # a required field is missing
             missing = [f.name for f in dataclasses.fields(cls)
                        if f.default is dataclasses.MISSING and f.name not in kwargs]
-            raise PlanError(f"{source}.{missing[0] if missing else '?'}: required field is missing ({exc}); "
-                            "fix: add it (see configs/models/ for examples)") from None
+            if missing:
+                raise PlanError(f"{source}.{missing[0]}: required field is missing ({exc}); "
+                                "fix: add it (see configs/models/ for examples)") from None
+            wrong = [f.name for f in dataclasses.fields(cls) if f.name in kwargs and ("int" in str(f.type) or
+                     "float" in str(f.type)) and not _is_number(kwargs[f.name])]
+            raise PlanError(f"{source}.{wrong[0] if wrong else '?'}: expected a number, got "
+                            f"{kwargs[wrong[0]] if wrong else exc!r}; fix: see configs/models/ for examples") from None
         except PlanError as exc:
             raise PlanError(str(exc).replace("model.", f"{source}: ", 1)) from None
 
@@ -298,6 +303,10 @@ def codec_payload_bytes(numel: int, ratio: float, value_bytes: int) -> int:
         offsets_at = _align(_align(k * value_bytes) + nblocks * count_bytes)
         best = min(best, _align(offsets_at + k * offset_bytes))
     return best
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def load_routing_counts(path: str) -> np.ndarray:

@@ -3,7 +3,9 @@
 Used by the multi-rank tests, the benchmarks and pretrain_moe.py's local launcher. Guarantees:
 a free rendezvous (the parent owns the TCPStore, so no port race), a hard per-run timeout, every
 failing rank's traceback in the raised error, each hung rank's stack dumped before it is killed,
-and no process left behind.
+no process left behind, and (with ``stall=``) a stalled rank named within a bounded time: ranks
+publish progress through ``progress()`` into shared memory and the parent's monitor loop fails the
+job when a rank's progress has not moved for the stall timeout.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ PRELOAD = ["torch", "torch.distributed", "megatron.core.transformer.moe.moe_laye
            "megatron.core.models.gpt.gpt_model", "megatron.core.distributed", "megatron.core.optimizer"]
 
 _CTX: mp.context.ForkServerContext | None = None
+_SLOTS = 4  # per rank: progress beats, iteration, median step seconds, predicted step seconds
+_PHASE = 32  # bytes of phase text per rank
+_BEAT: tuple[Any, Any, int, list[float]] | None = None  # (numbers, phases, rank, step seconds) in a rank
+
+
 
 
 class RankFailure(RuntimeError):
@@ -37,6 +44,54 @@ class RankFailure(RuntimeError):
     def __init__(self, message: str, reports: dict[int, str]) -> None:
         super().__init__(message)
         self.reports = reports
+
+
+class StallFailure(RankFailure):
+    """A rank stopped making progress for the stall timeout; ``stalled`` names it (them)."""
+
+    def __init__(self, message: str, reports: dict[int, str], stalled: list[int]) -> None:
+        super().__init__(message, reports)
+        self.stalled = stalled
+
+
+@dataclass(frozen=True)
+class StallRule:
+    """When a rank that has stopped publishing progress is declared stalled.
+
+    ``fixed`` seconds when given; otherwise max(floor, step_factor x the median measured step,
+    predicted_factor x the predicted step): generous enough that a slow (WAN) collective inside
+    one step never trips it, and far below gloo/NCCL's 30-minute collective timeout.
+    """
+
+    fixed: float | None = None
+    floor: float = 60.0
+    step_factor: float = 10.0
+    predicted_factor: float = 3.0
+
+    def seconds(self, median_step: float = 0.0, predicted_step: float = 0.0) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        return max(self.floor, self.step_factor * median_step, self.predicted_factor * predicted_step)
+
+
+def progress(iteration: int, phase: str, step_seconds: float | None = None,
+             predicted_seconds: float | None = None) -> None:
+    """Tell the launcher this rank is alive and where it is (no-op outside run_ranks). Cheap: two
+    shared-memory writes, no syscall, so it may be called several times per iteration."""
+    if _BEAT is None:
+        return
+    numbers, phases, rank, steps = _BEAT
+    base = rank * _SLOTS
+    if step_seconds is not None:
+        steps.append(step_seconds)
+        del steps[:-101]  # a window: the median of the last ~100 steps
+        numbers[base + 2] = sorted(steps)[len(steps) // 2]
+    if predicted_seconds is not None:
+        numbers[base + 3] = predicted_seconds
+    text = phase.encode()[:_PHASE].ljust(_PHASE, b" ")
+    phases[rank * _PHASE:(rank + 1) * _PHASE] = text
+    numbers[base + 1] = iteration
+    numbers[base] += 1  # last: the monitor sees a change only once the rest is written
 
 
 @dataclass
@@ -57,7 +112,10 @@ def _context() -> mp.context.ForkServerContext:
 
 
 def _rank_main(fn: Callable, rank: int, world_size: int, port: int, timeout: float, threads: int,
-               env: dict[str, str], dump_path: str, results: mp.Queue, args: tuple, kwargs: dict) -> None:
+               env: dict[str, str], dump_path: str, results: mp.Queue, beat: tuple, args: tuple,
+               kwargs: dict) -> None:
+    global _BEAT
+    _BEAT = (*beat, rank, [])
     os.environ.update(env)
     for harmless in (r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*",
                      r".*transformer-engine>=1\.7\.0 supports MoE experts.*",
@@ -96,11 +154,14 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, timeout: flo
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
-              env: dict[str, str] | None = None, threads: int = 1, **kwargs: Any) -> list[Any]:
+              env: dict[str, str] | None = None, threads: int = 1, stall: StallRule | None = None,
+              **kwargs: Any) -> list[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank.
 
     ``fn`` must be importable (a module-level function). Raises RankFailure naming each rank that
-    raised, crashed or hung, with its traceback (or its stack dump when it hung).
+    raised, crashed or hung, with its traceback (or its stack dump when it hung). With ``stall``,
+    once ranks call ``progress()``, a rank whose progress stops for ``stall.seconds(...)`` fails
+    the job (StallError in the report, naming rank, pid and last phase) without waiting for ``timeout``.
     """
     import torch.distributed as dist
 
@@ -109,19 +170,22 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                           timeout=timedelta(seconds=timeout), wait_for_workers=False)
     results: mp.Queue = ctx.Queue()
+    beat = (ctx.RawArray("d", world_size * _SLOTS), ctx.RawArray("c", world_size * _PHASE))
     with tempfile.TemporaryDirectory(prefix="hybridep-ranks-") as tmp:
         dumps = [os.path.join(tmp, f"rank{r}.stack") for r in range(world_size)]
         # Not daemonic: ranks may start helpers (Megatron's checkpoint writer does). They still end
         # by themselves (faulthandler timeout) and are killed in the finally below.
         procs = [ctx.Process(target=_rank_main, name=f"rank{r}", daemon=False,
                              args=(fn, r, world_size, store.port, timeout, threads, dict(env or {}),
-                                   dumps[r], results, args, kwargs))
+                                   dumps[r], results, beat, args, kwargs))
                  for r in range(world_size)]
         for p in procs:
             p.start()
         outputs: dict[int, Any] = {}
         failures: dict[int, str] = {}
         deadline = time.monotonic() + timeout + 15  # ranks dump their stacks at `timeout`
+        monitor = _StallMonitor(beat, procs, stall) if stall is not None else None
+        stalled: list[int] = []
         try:
             while len(outputs) + len(failures) < world_size:
                 try:
@@ -131,6 +195,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                         if not p.is_alive() and r not in outputs and r not in failures \
                                 and p.exitcode not in (0, None):
                             failures[r] = _dead_report(p.exitcode, dumps[r], timeout)
+                    found = monitor.check(set(outputs) | set(failures)) if monitor else None
+                    if found:
+                        stalled = [r for r, text in found.items() if text.startswith("StallError")]
+                        failures.update(found)
+                        break
                     if time.monotonic() > deadline:
                         for r in range(world_size):
                             if r not in outputs and r not in failures:
@@ -153,9 +222,66 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 if r not in outputs and r not in failures:
                     failures[r] = "stopped after another rank failed\n" + _read(dumps[r])
             body = "\n".join(f"----- rank {r} -----\n{failures[r]}" for r in sorted(failures))
-            raise RankFailure(f"{len(failures)} of {world_size} ranks failed in {fn.__name__}:\n{body}",
-                              failures)
+            message = f"{len(failures)} of {world_size} ranks failed in {fn.__name__}:\n{body}"
+            if stalled:
+                raise StallFailure(message, failures, stalled)
+            raise RankFailure(message, failures)
     return [outputs[r] for r in range(world_size)]
+
+
+class _StallMonitor:
+    """The parent's view of the ranks' progress counters: when each last moved, as seen here (one
+    clock, the parent's)."""
+
+    def __init__(self, beat: tuple, procs: list, rule: StallRule) -> None:
+        self.numbers, self.phases = beat
+        self.procs, self.rule = procs, rule
+        self.seen = [(0.0, time.monotonic())] * len(procs)
+
+    def check(self, done: set[int]) -> dict[int, str] | None:
+        now, world = time.monotonic(), len(self.procs)
+        for r in range(world):
+            beats = self.numbers[r * _SLOTS]
+            if beats != self.seen[r][0]:
+                self.seen[r] = (beats, now)
+        if not any(self.seen[r][0] for r in range(world)):
+            return None  # nobody publishes progress (start-up, or a function that never calls progress())
+        median = max(self.numbers[r * _SLOTS + 2] for r in range(world))
+        predicted = max(self.numbers[r * _SLOTS + 3] for r in range(world))
+        limit = self.rule.seconds(median, predicted)
+        waiting = [r for r in range(world) if r not in done]
+        stale = [r for r in waiting if now - self.seen[r][1] > limit]
+        if not stale:
+            return None
+        # The stalled rank is the one behind: stopped by a signal, else fewest beats, else quiet longest.
+        stopped = [r for r in stale if _proc_state(self.procs[r].pid) in ("T", "t")]
+        culprits = stopped or [min(stale, key=lambda r: (self.seen[r][0], self.seen[r][1]))]
+        how = (f"max({self.rule.floor:.0f} s, {self.rule.step_factor:g} x median step {median:.3f} s, "
+               f"{self.rule.predicted_factor:g} x predicted {predicted:.3f} s)" if self.rule.fixed is None
+               else "--hybridep-stall-timeout")
+        reports = {}
+        for r in culprits:
+            state = "stopped (SIGSTOP/SIGTSTP)" if r in stopped else "running but not progressing"
+            reports[r] = (f"StallError: rank {r} (pid {self.procs[r].pid}) made no progress for "
+                          f"{now - self.seen[r][1]:.0f} s > stall timeout {limit:.0f} s [{how}]; last at "
+                          f"iteration {self.numbers[r * _SLOTS + 1]:.0f}, phase '{self._phase(r)}'; process "
+                          f"{state}; fix: find why it stopped, or raise --hybridep-stall-timeout")
+        for r in waiting:
+            if r not in reports:
+                reports[r] = (f"waiting for stalled rank(s) {culprits}: at iteration "
+                              f"{self.numbers[r * _SLOTS + 1]:.0f}, phase '{self._phase(r)}'")
+        return reports
+
+    def _phase(self, r: int) -> str:
+        return bytes(self.phases[r * _PHASE:(r + 1) * _PHASE]).decode(errors="replace").strip()
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
 
 
 def _stop(procs: list, dump_first: bool) -> None:
@@ -191,4 +317,5 @@ def world_from_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-__all__: Sequence[str] = ["RankContext", "RankFailure", "run_ranks", "world_from_env"]
+__all__: Sequence[str] = ["RankContext", "RankFailure", "StallFailure", "StallRule", "progress", "run_ranks",
+                           "world_from_env"]

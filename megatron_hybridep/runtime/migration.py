@@ -47,6 +47,7 @@ from megatron_hybridep.runtime.compression import (
     SharedResidualCodec,
 )
 from megatron_hybridep.runtime.instrument import Stats
+from megatron_hybridep.runtime.numerics import check_rows
 
 # torch >= 2.14 renamed the tensor-in/tensor-out collectives; older torch (>= 2.6 is supported) has the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -63,6 +64,7 @@ class MigrationConfig:
     shared_refresh_every: int = 10       # optimizer steps between shared-expert refreshes (0 = frozen)
     incremental: bool = True             # residual against the peers' current copy (else against shared)
     hold_copies: bool = True             # one gather per optimizer step, gradients returned once per iteration
+    check_finite: bool = False           # --check-for-nan-in-loss-and-grad: name a non-finite borrowed expert
 
     def __post_init__(self) -> None:
         for name in ("compression_ratio", "grad_compression_ratio"):
@@ -313,6 +315,9 @@ class DomainGather:
                 else:
                     base = self._rebase(self._copies[q], self._copies_shared, pending.shared)
                 self.codec.decode_batch(slots[q], base, out=rows[q])
+            if self.config.check_finite:
+                check_rows(rows, "decoded copy of a borrowed expert", self.layer,
+                           dist.get_process_group_ranks(self.group), skip=self.position)
             if self.config.incremental:
                 self._copies = rows.detach()  # never written in place: the next gather decodes into a new buffer
                 self._copies_shared = pending.shared
@@ -345,6 +350,9 @@ class DomainGather:
         returned waits and gives this rank's summed chunk."""
         t0 = time.perf_counter()
         grad = grad.contiguous()
+        if self.config.check_finite:
+            check_rows(grad.view(self.size, self.num_local, -1), "gradient of a borrowed expert", self.layer,
+                       dist.get_process_group_ranks(self.group), skip=self.position)
         out = grad.new_zeros(self.numel)
         nbytes = self.numel * grad.element_size()
         if self.grad_codec is None and dist.get_backend(self.group) == "gloo":
