@@ -76,3 +76,18 @@ def test_hang_fails_fast_with_stack(tmp_path):
     assert "_hang_on_rank_zero" in info.value.reports[0]  # the hung rank's stack
     assert 1 not in info.value.reports
     _assert_all_gone(str(tmp_path))
+
+
+def _num_threads(ctx):
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_rank_threads_default_to_one_and_follow_the_environment(monkeypatch):
+    """The exactness tests are run with 1 and 2 intra-op threads (docs/testing.md)."""
+    monkeypatch.delenv("HYBRIDEP_RANK_THREADS", raising=False)
+    assert run_ranks(_num_threads, 1, timeout=60) == [1]
+    monkeypatch.setenv("HYBRIDEP_RANK_THREADS", "2")
+    assert run_ranks(_num_threads, 1, timeout=60) == [2]
+    assert run_ranks(_num_threads, 1, timeout=60, threads=3) == [3]
