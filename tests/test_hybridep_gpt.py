@@ -68,7 +68,10 @@ def test_gpt_moe_hybridep_equals_alltoall(plan_args):
             assert err <= FP64_TOL, f"rank {rank}: float64 {name} differs by {err:.3g}"
         # float32: within K x alltoall's own float32 error (whole model), never a fixed constant
         (ref32_losses, ref32), (losses32, params32) = out["alltoall", f32], out["hybridep", f32]
-        tol = derived_tolerance({"loss": ref32_losses}, {"loss": ref_losses})
+        # Megatron's cross entropy runs in float32 even for float64 models, so losses are quantised to
+        # float32 ulps: the derived error can be 0 while the two float32 runs differ by one ulp
+        # (measured under ATEN_CPU_CAPABILITY=default); allow each loss its rounding, 2 x eps32.
+        tol = derived_tolerance({"loss": ref32_losses}, {"loss": ref_losses}) + 2 * torch.finfo(f32).eps
         assert scaled_error(losses32, ref32_losses) <= tol, (losses32, ref32_losses, tol)
         tol = derived_tolerance(ref32, ref)
         for name, p in params32.items():
