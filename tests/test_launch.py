@@ -142,3 +142,18 @@ def test_slow_steps_do_not_trip_the_derived_stall_timeout(tmp_path):
     # floor 1 s would trip on a 2.5 s step, but 10 x the measured median (25 s) does not
     rule = StallRule(floor=1.0)
     assert run_ranks(_slow_but_alive, 2, str(tmp_path), timeout=120, stall=rule) == ["done", "done"]
+
+
+def _num_threads(ctx):
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_rank_threads_default_to_one_and_follow_the_environment(monkeypatch):
+    """The exactness tests are run with 1 and 2 intra-op threads (docs/testing.md)."""
+    monkeypatch.delenv("HYBRIDEP_RANK_THREADS", raising=False)
+    assert run_ranks(_num_threads, 1, timeout=60) == [1]
+    monkeypatch.setenv("HYBRIDEP_RANK_THREADS", "2")
+    assert run_ranks(_num_threads, 1, timeout=60) == [2]
+    assert run_ranks(_num_threads, 1, timeout=60, threads=3) == [3]

@@ -12,6 +12,7 @@ for --save/--load. On GPU clusters pretrain_moe.py uses megatron.training.pretra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import time
@@ -69,9 +70,7 @@ def _validated(args: argparse.Namespace) -> argparse.Namespace:
 def build_model(args: argparse.Namespace) -> tuple[list[Any], Any, Any, Any]:
     """(DDP model chunks, optimizer, scheduler, config) from Megatron args, as pretrain_gpt.py and
     megatron.training.get_model build them: one chunk per virtual pipeline stage of this rank."""
-    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.training.arguments import core_transformer_config_from_args
@@ -88,13 +87,8 @@ def build_model(args: argparse.Namespace) -> tuple[list[Any], Any, Any, Any]:
     chunks = []
     for stage in range(vp or 1):
         vp_stage = stage if vp else None
-        module = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
-                          max_sequence_length=args.max_position_embeddings,
-                          pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                          post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                          share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                          position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-                          vp_stage=vp_stage)
+        with _default_dtype(args.params_dtype):  # Megatron's torch norms ignore params_dtype (float64)
+            module = _gpt(args, config, spec, vp_stage)
         module.vp_stage = vp_stage
         chunk = DistributedDataParallel(config=config, ddp_config=get_megatron_ddp_config(args), module=module,
                                         disable_bucketing=stage > 0)
@@ -104,6 +98,33 @@ def build_model(args: argparse.Namespace) -> tuple[list[Any], Any, Any, Any]:
     optimizer = get_megatron_optimizer(opt_config, chunks, config_overrides=overrides)
     scheduler = get_optimizer_param_scheduler(optimizer)
     return chunks, optimizer, scheduler, config
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: Any) -> Any:
+    """float64 runs build every parameter in float64; other dtypes leave torch's default alone."""
+    if dtype != torch.float64:
+        yield
+        return
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _gpt(args: argparse.Namespace, config: Any, spec: Any, vp_stage: int | None) -> Any:
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings,
+                    pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+                    vp_stage=vp_stage)
 
 
 def _plan_job(args: argparse.Namespace, world: int) -> PlanChoice | None:

@@ -30,6 +30,8 @@ class GPTMoEArgs:
     clip_grad: float = 1.0
     seed: int = 1234
     expert_model_parallel_size: int = 1
+    # torch.float64 for exactness tests: HybridEP vs alltoall then differ only by float64 rounding
+    params_dtype: torch.dtype = torch.float32
     extra_config: dict[str, Any] = field(default_factory=dict)  # more TransformerConfig fields
 
 
@@ -65,7 +67,7 @@ def transformer_config(args: GPTMoEArgs):  # noqa: ANN201 - TransformerConfig
         moe_router_load_balancing_type="aux_loss" if args.aux_loss_coeff else "none",
         expert_model_parallel_size=args.expert_model_parallel_size,
         use_cpu_initialization=True, add_bias_linear=False, bf16=False, fp16=False,
-        params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=args.params_dtype, hidden_dropout=0.0, attention_dropout=0.0,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False,
     )
@@ -82,9 +84,16 @@ def build(args: GPTMoEArgs) -> TrainState:
 
     config = transformer_config(args)
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
-                     max_sequence_length=args.seq_length, position_embedding_type="rope")
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(args.params_dtype)  # torch LayerNorm ignores config.params_dtype
+    try:
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
+                         max_sequence_length=args.seq_length, position_embedding_type="rope")
+    finally:
+        torch.set_default_dtype(default)
+    # Reducing in fp32 would round float64 gradients; for fp32 params it changes nothing.
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.params_dtype != torch.float64,
+                                               overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     model.broadcast_params()  # dense weights identical across data-parallel ranks
@@ -100,7 +109,8 @@ def forward_loss(state: TrainState, tokens: torch.Tensor, labels: torch.Tensor) 
     position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
     per_token = state.model(input_ids=tokens, position_ids=position_ids, attention_mask=None,
                             labels=labels)
-    return per_token.float().mean()
+    # Megatron averages in fp32 (bf16/fp16 runs); float64 runs keep float64, or losses would round
+    return per_token.to(torch.promote_types(per_token.dtype, torch.float32)).mean()
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]

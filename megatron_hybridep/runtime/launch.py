@@ -154,9 +154,12 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, timeout: flo
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
-              env: dict[str, str] | None = None, threads: int = 1, stall: StallRule | None = None,
+              env: dict[str, str] | None = None, threads: int | None = None, stall: StallRule | None = None,
               **kwargs: Any) -> list[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank.
+
+    ``threads``: intra-op threads per rank; None = $HYBRIDEP_RANK_THREADS or 1 (tests vary it to
+    change reduction splits, docs/testing.md).
 
     ``fn`` must be importable (a module-level function). Raises RankFailure naming each rank that
     raised, crashed or hung, with its traceback (or its stack dump when it hung). With ``stall``,
@@ -165,6 +168,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     """
     import torch.distributed as dist
 
+    if threads is None:
+        threads = int(os.environ.get("HYBRIDEP_RANK_THREADS", "1"))
     ctx = _context()
     # The parent hosts the rendezvous store: port 0 picks a free port with no race.
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,

@@ -24,6 +24,7 @@ class MoESpec:
     batch: int = 2
     dispatcher: str = "alltoall"
     seed: int = 1234
+    dtype: torch.dtype = torch.float32  # float64 for exactness tests (values drawn in fp32, then cast)
     pre_softmax: bool | None = None  # None: Megatron's requirement (pre-softmax iff top-1)
     extra: dict = field(default_factory=dict)  # more TransformerConfig fields
 
@@ -45,15 +46,15 @@ def global_weights(spec: MoESpec) -> GlobalWeights:
     g = torch.Generator().manual_seed(spec.seed)
     h, f, e = spec.hidden, spec.ffn, spec.experts
     return GlobalWeights(
-        router=torch.randn(e, h, generator=g) * 0.5,
-        fc1=torch.randn(e, f, h, generator=g) / h**0.5,
-        fc2=torch.randn(e, h, f, generator=g) / f**0.5,
+        router=(torch.randn(e, h, generator=g) * 0.5).to(spec.dtype),
+        fc1=(torch.randn(e, f, h, generator=g) / h**0.5).to(spec.dtype),
+        fc2=(torch.randn(e, h, f, generator=g) / f**0.5).to(spec.dtype),
     )
 
 
 def rank_input(spec: MoESpec, rank: int, step: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(spec.seed * 1000 + rank * 17 + step)
-    return torch.randn(spec.seq, spec.batch, spec.hidden, generator=g)
+    return torch.randn(spec.seq, spec.batch, spec.hidden, generator=g).to(spec.dtype)
 
 
 def transformer_config(spec: MoESpec, **overrides: object):  # noqa: ANN201 - TransformerConfig
@@ -65,7 +66,7 @@ def transformer_config(spec: MoESpec, **overrides: object):  # noqa: ANN201 - Tr
         moe_token_dispatcher_type=spec.dispatcher, moe_aux_loss_coeff=spec.aux_loss_coeff,
         moe_router_load_balancing_type="aux_loss" if spec.aux_loss_coeff else "none",
         moe_router_pre_softmax=spec.use_pre_softmax, use_cpu_initialization=True, add_bias_linear=False,
-        bf16=False, fp16=False, params_dtype=torch.float32,
+        bf16=False, fp16=False, params_dtype=spec.dtype,
     )
     kwargs.update(spec.extra)
     kwargs.update(overrides)
@@ -119,15 +120,18 @@ def reference_moe(x: torch.Tensor, w: GlobalWeights, topk: int, aux_loss_coeff: 
     Megatron's routing: top-k over logits then softmax over the k selected (or, pre-softmax, top-k
     of the softmax over all experts); GELU MLP experts;
     Switch load-balancing loss E*coeff/(k*T^2) * sum_e(sum_t softmax(logits)_te * count_e).
+    Megatron's precision contract: routing scores in float32, probabilities cast back to the
+    logits' dtype (a no-op in float32; in float64 the probabilities carry float32 rounding).
     """
     shape = x.shape
     tokens = x.reshape(-1, shape[-1])
     logits = tokens @ w.router.t()
     if pre_softmax:
-        top_probs, top_idx = torch.topk(torch.softmax(logits, dim=-1), topk, dim=-1)
+        top_probs, top_idx = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), topk, dim=-1)
     else:
         top_logits, top_idx = torch.topk(logits, topk, dim=-1)
-        top_probs = torch.softmax(top_logits, dim=-1)
+        top_probs = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
+    top_probs = top_probs.to(logits.dtype)
     out = torch.zeros_like(tokens)
     for e in range(w.fc1.shape[0]):
         rows, slot = (top_idx == e).nonzero(as_tuple=True)
@@ -139,6 +143,6 @@ def reference_moe(x: torch.Tensor, w: GlobalWeights, topk: int, aux_loss_coeff: 
     if aux_loss_coeff:
         num_experts, t = w.fc1.shape[0], tokens.shape[0]
         counts = torch.zeros(num_experts).index_add_(0, top_idx.reshape(-1), torch.ones(top_idx.numel()))
-        scores = torch.softmax(logits, dim=-1)
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
         aux = (scores.sum(0) * counts).sum() * num_experts * aux_loss_coeff / (topk * t * t)
     return out.reshape(shape), aux

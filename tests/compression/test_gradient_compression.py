@@ -32,7 +32,9 @@ def test_error_feedback_nothing_is_lost(dtype, vdt):
         assert p.numel() == ef.nbytes(n, dtype) < n * g.element_size() / 4
         ef.decompress(p, out=sent, src_dtype=dtype, accumulate=True)
         true += g.float()
-    assert torch.allclose(sent + ef.residual("e0"), true, atol=1e-4)
+    # elementwise float32 only: each of the 2 running sums rounds by <= half an ulp per step
+    bound = 2 * steps * 0.5 * torch.finfo(torch.float32).eps * 2 * true.abs().max().item()
+    assert (sent + ef.residual("e0") - true).abs().max().item() <= bound
 
 
 def test_error_feedback_converges_where_plain_topk_drifts():

@@ -77,6 +77,7 @@ def _train(ctx, argv):
     return cpu_loop.run(parse(argv, default_config=PRESET)).losses
 
 
+@pytest.mark.exactness
 def test_resume_reproduces_uninterrupted_losses(tmp_path):
     common = ["--log-interval", "100", "--lr-warmup-iters", "2"]
     full = run_ranks(_train, 4, ["--train-iters", "8", *common], timeout=300)[0]
@@ -88,7 +89,8 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path):
                                      *common],
                         timeout=300)[0]
     assert len(resumed) == 4
-    assert resumed == pytest.approx(full[4:], abs=1e-6), (resumed, full)
+    # Same machine, same ops in the same order: bit for bit (a tolerance would be a guess).
+    assert resumed == full[4:], (resumed, full)
 
 
 @pytest.mark.parametrize("preset", sorted(p for p in os.listdir(os.path.join(REPO, "configs", "presets"))
@@ -162,6 +164,7 @@ def _run_collect(ctx, argv):
     return s.params
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("saved_with,loaded_with", [("hybridep", "alltoall"), ("alltoall", "hybridep")])
 def test_checkpoints_move_between_hybridep_and_alltoall(saved_with, loaded_with, tmp_path):
     """Borrowed copies are never saved: a checkpoint written under one dispatcher loads under the
