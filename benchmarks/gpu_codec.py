@@ -59,13 +59,13 @@ def peak_bandwidth(device: torch.device) -> tuple[float | None, str]:
 
 
 def model_sizes() -> dict[str, int]:
-    """Expert parameter counts: the DeepSeek-V3-like expert and each configs/models preset."""
+    """Expert parameter counts: the DeepSeek-V3-like expert and the paper's models (configs/models/paper-*)."""
     from megatron_hybridep.plan.workload import Workload
 
     by_params = {3 * 7168 * 2048: "deepseek-v3-like"}
     for path in sorted(glob.glob(os.path.join(REPO, "configs", "models", "*.yaml"))):
         w = Workload.from_yaml(path)
-        if w.name in ("tiny-cpu", "deepseek-v3-like"):
+        if not w.name.startswith("paper-"):  # CPU and bench models are not real sizes
             continue
         same = by_params.get(w.expert_params)  # paper-l and paper-xl share their expert size
         by_params[w.expert_params] = f"{same}/{w.name.removeprefix('paper-')}" if same else w.name

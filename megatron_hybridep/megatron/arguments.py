@@ -87,6 +87,10 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="'iteration': gather borrowed experts once per optimizer step, keep them for every "
                         "micro-batch and return their gradients once; 'microbatch': gather and return in every "
                         "micro-batch (less memory); auto: iteration when the held copies fit the memory limit")
+    g.add_argument("--hybridep-async-grad-return", action="store_true",
+                   help="with borrowed copies per iteration: launch the return of their gradients in the last "
+                        "backward and collect it before Megatron's reduction (overlaps the rest of the backward; "
+                        "the cost model still prices it blocking)")
     g.add_argument("--hybridep-fp64", action="store_true",
                    help="CPU only: float64 parameters and gradients (exactness checks against alltoall)")
     g.add_argument("--hybridep-log-plan", action="store_true", help="print every candidate plan at start-up")

@@ -4,9 +4,9 @@ Megatron runs all but the last micro-batch of an iteration under ``config.no_syn
 model chunks' ``no_sync``) and reduces gradients in ``config.finalize_model_grads_func``. Wrapped:
 - no_sync also enters ``runtime.accumulating()``: borrowed copies' gradients accumulate locally and
   return to their owners once, from the first backward outside it (the last micro-batch);
-- that backward only launches those returns (asynchronous, overlapping the rest of the backward
-  pass) unless DDP overlaps its own reduction with the backward (--overlap-grad-reduce): then they
-  are blocking, through autograd, so the buckets see them;
+- that backward returns them blocking, through autograd (what the cost model prices), or with
+  --hybridep-async-grad-return only launches them (overlapping the rest of the backward pass);
+  never with --overlap-grad-reduce, whose buckets must see them during the backward;
 - finalize first collects the returns in flight (and whatever a schedule left owed: interleaved
   chunks whose last backward ran under another chunk's no_sync) into the owners' main grads, then
   times Megatron's finalize as the dense gradient reduction.
@@ -83,8 +83,8 @@ def install(config: Any, model_chunks: Sequence[Any], runtime: Any) -> None:
             config.finalize_model_grads_func = _counting(config.finalize_model_grads_func)
         return
     # overlapped DDP buckets reduce during the backward: returns must land through autograd before
-    runtime.async_grad_return = not any(getattr(getattr(m, "ddp_config", None), "overlap_grad_reduce", False)
-                                        for m in model_chunks)
+    overlapped = any(getattr(getattr(m, "ddp_config", None), "overlap_grad_reduce", False) for m in model_chunks)
+    runtime.async_grad_return = runtime.migration.async_return and not overlapped
     if isinstance(current, list):
         config.no_sync_func = [f if getattr(f, "_hybridep", False) else _wrap_no_sync(f, runtime) for f in current]
     elif not getattr(current, "_hybridep", False):

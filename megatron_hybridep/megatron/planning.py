@@ -82,6 +82,7 @@ def migration_from_args(args: argparse.Namespace) -> MigrationConfig:
                            shared_refresh_every=args.hybridep_shared_refresh_interval,
                            incremental=getattr(args, "hybridep_residual_base", "copy") == "copy",
                            hold_copies=getattr(args, "hybridep_borrowed_copies", "auto") != "microbatch",
+                           async_return=bool(getattr(args, "hybridep_async_grad_return", False)),
                            check_finite=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)))
 
 

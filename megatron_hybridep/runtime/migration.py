@@ -64,6 +64,7 @@ class MigrationConfig:
     shared_refresh_every: int = 10       # optimizer steps between shared-expert refreshes (0 = frozen)
     incremental: bool = True             # residual against the peers' current copy (else against shared)
     hold_copies: bool = True             # one gather per optimizer step, gradients returned once per iteration
+    async_return: bool = False           # that return launched in the last backward, collected before the reduction
     check_finite: bool = False           # --check-for-nan-in-loss-and-grad: name a non-finite borrowed expert
 
     def __post_init__(self) -> None:

@@ -41,6 +41,14 @@ def test_per_microbatch_mode_is_exact_too():
     compare(ref, got, TOL)
 
 
+@pytest.mark.exactness
+def test_asynchronous_gradient_return_is_exact():
+    """--hybridep-async-grad-return: launched in the last backward, added to the owners' main grads
+    before Megatron reduces them."""
+    ref, got = _pair([*RECOMPUTE["full"], "--global-batch-size", "32", "--hybridep-async-grad-return"])
+    compare(ref, got, TOL)
+
+
 def test_wan_bytes_per_iteration_do_not_grow_with_micro_batches_or_recompute():
     def per_iter(*extra):
         return run_ranks(train, 4, [*BASE, *extra], timeout=300)[0]["inter_dc_by_phase"]

@@ -18,6 +18,7 @@ class _Runtime:
         self.stats, self._no_sync_depth, self.flushed = Stats(), 0, 0
         self.accumulating = types.MethodType(HybridEPRuntime.accumulating, self)  # the real counter
         self.owing = 0
+        self.migration = types.SimpleNamespace(async_return=True)
 
     defer_grad_return = property(lambda self: self._no_sync_depth > 0)
 
@@ -97,3 +98,4 @@ def test_gpu_train_step_wrapper_installs_grad_sync(monkeypatch):
     assert training.train_step(None, None, [_Chunk([])], None, None, config, None) == "ok"
     assert getattr(seen["no_sync"], "_hybridep", False)
     assert getattr(config.finalize_model_grads_func, "_hybridep", False)
+    assert runtime.async_grad_return  # asked for, and DDP does not overlap its reduction
