@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hybridep.plan.cost import CostModel
+from megatron_hybridep.plan.phases import BLOCKING, Phase
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.planner import Replan, evaluate_plan, replan, with_hot_plans
 from megatron_hybridep.plan.topology import Level, Topology
@@ -44,7 +45,7 @@ from megatron_hybridep.runtime.instrument import Stats
 
 log = logging.getLogger("hybridep.scheduler")
 
-BLOCKING_PHASES = ("token_dispatch", "token_combine", "grad_return")
+BLOCKING_PHASES = BLOCKING
 
 
 @dataclass(frozen=True)
@@ -283,7 +284,7 @@ def calibrated(topology: Topology, workload: Workload, plan: Plan, compute_s: fl
     """The workload with its compute speed set so that the cost model's compute of ``plan`` (the
     running one: pre-expert and expert compute, forward and backward) equals the measured compute."""
     c = evaluate_plan(CostModel(topology, workload), plan)
-    predicted = c.phases["pre_compute"] + c.phases["expert_compute"]
+    predicted = c.phases[Phase.PRE_COMPUTE] + c.phases[Phase.EXPERT_COMPUTE]
     if predicted <= 0 or compute_s <= 0:
         return workload
     k = predicted / compute_s  # < 1: the ranks are slower than the workload says
