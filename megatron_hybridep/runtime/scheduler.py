@@ -42,6 +42,7 @@ from megatron_hybridep.plan.topology import Level, Topology
 from megatron_hybridep.plan.workload import Workload
 from megatron_hybridep.runtime.context import HybridEPRuntime
 from megatron_hybridep.runtime.instrument import Stats
+from megatron_hybridep.runtime.logs import warn_once
 
 log = logging.getLogger("hybridep.scheduler")
 
@@ -241,8 +242,7 @@ class PlanScheduler:
             self._streak += 1
             ready = all(len(v) >= self.config.window for v in self._samples.values())
             if self._streak >= self.config.patience and ready:
-                say = log.warning if not dist.is_initialized() or dist.get_rank() == 0 else log.debug
-                say("hybridep scheduler, iteration %d: switching %s -> %s (%s; predicted %.4g s -> %.4g s "
+                warn_once(log, "hybridep scheduler, iteration %d: switching %s -> %s (%s; predicted %.4g s -> %.4g s "
                     "per iteration; measured bandwidth %s Gbit/s per rank, compute %s s per iteration)",
                     iteration, self.runtime.plan.label, r.plan.label, r.reason, r.current_seconds, r.best_seconds,
                     {k: round(v, 3) for k, v in self.bandwidth_gbps.items()},
