@@ -146,7 +146,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
                   elapsed_s: float) -> None:
     csv_path, png_path = cfg.out / "bench.csv", cfg.out / "bench.png"
     br.write_csv(rows, csv_path)
-    title = (f"HybridEP vs alltoall EP vs replicated: {cfg.dcs} DCs x {cfg.ranks_per_dc} ranks, WAN {cfg.rate_text} "
+    title = (f"{br.systems_title(rows)}: {cfg.dcs} DCs x {cfg.ranks_per_dc} ranks, WAN {cfg.rate_text} "
              f"per DC, model {cfg.model.name}, {cfg.iters} iterations per point")
     br.plot(rows, png_path, title)
     probe = probe_summary(cfg, session.events)
