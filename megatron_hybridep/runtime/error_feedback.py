@@ -7,7 +7,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from kernels.codec import Backend
+from megatron_hybridep.kernels.codec import Backend
 from megatron_hybridep.runtime.weight_codec import PayloadLayout, RatioOf, decode_into, encode, plan_layout
 
 

@@ -26,7 +26,7 @@ from functools import cached_property
 
 import torch
 
-from kernels.codec import (
+from megatron_hybridep.kernels.codec import (
     COUNT_DTYPES,
     OFFSET_DTYPES,
     VALUE_DTYPES,
@@ -376,7 +376,7 @@ class SharedResidualCodec:
         borrowed experts, all peers): one kernel launch, one pass over base, no rebased copy.
         base, out: [R, n] (base may be out); shift: [n] in base's dtype (the shared expert's
         change since the copies were built) or None. Bit-equal to the unfused path (tested)."""
-        from kernels.fused_codec import decode_rows
+        from megatron_hybridep.kernels.fused_codec import decode_rows
 
         rows = out.shape[0]
         lay = self.layout(out[0].numel(), out.dtype)
