@@ -37,7 +37,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from kernels import fused_codec as F  # noqa: E402
+from megatron_hybridep.kernels import fused_codec as F  # noqa: E402
 from megatron_hybridep.runtime.compression import SharedResidualCodec  # noqa: E402
 
 # HBM peak by device name (bytes/s), used when torch does not report the memory clock and bus width.

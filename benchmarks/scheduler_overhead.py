@@ -32,6 +32,7 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from megatron_hybridep.plan.phases import Phase  # noqa: E402
 from megatron_hybridep.runtime.launch import run_ranks  # noqa: E402
 
 PRESET = os.path.join(REPO, "configs", "presets", "cpu_demo.yaml")
@@ -96,7 +97,7 @@ def instrumentation_call_s(tokens: int, experts: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     for i in range(n):
         t = time.perf_counter()
-        stats.add(i % 4, "token_dispatch", "rail", 4096, time.perf_counter() - t, level="dc")
+        stats.add(i % 4, Phase.TOKEN_DISPATCH, "rail", 4096, time.perf_counter() - t, level="dc")
     add_s = (time.perf_counter() - t0) / n
     routing_map = torch.rand(tokens, experts) < 0.25
     t0 = time.perf_counter()

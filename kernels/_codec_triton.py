@@ -236,7 +236,7 @@ def sparse_residual_decode(
     out: torch.Tensor,
     alpha: float,
 ) -> torch.Tensor:
-    from kernels.codec import absolute_indices
+    from megatron_hybridep.kernels.codec import absolute_indices
 
     n = out.numel()
     ntiles = triton.cdiv(n, TILE)

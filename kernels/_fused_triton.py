@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels._codec_triton import _VKIND, ENTRY_CHUNK, HIST_TILE, TILE, _as_kernel_float, _store_float
+from megatron_hybridep.kernels._codec_triton import _VKIND, ENTRY_CHUNK, HIST_TILE, TILE, _as_kernel_float, _store_float
 
 
 @triton.jit

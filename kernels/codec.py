@@ -31,7 +31,7 @@ import torch
 
 Backend = Literal["auto", "torch", "triton"]
 
-# Offset/count dtypes the kernels accept, by block_bits (the layout lives in runtime/compression).
+# Offset/count dtypes the kernels accept, by block_bits (their sizes: plan/wire.py INDEX_BYTES).
 OFFSET_DTYPES = {8: torch.uint8, 16: torch.uint16, 32: torch.int32}
 COUNT_DTYPES = {8: torch.uint16, 16: torch.int32, 32: torch.int32}
 VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -186,7 +186,7 @@ def residual_topk_encode(
     if first_hist is not None and (first_hist.numel() != 256 or first_hist.dtype != torch.int32):
         raise ValueError(f"first_hist must be int32[256], got {first_hist.dtype}{tuple(first_hist.shape)}")
     if _pick(backend, weight) == "triton":
-        from kernels import _codec_triton
+        from megatron_hybridep.kernels import _codec_triton
 
         _codec_triton.residual_topk_encode(weight, shared, k, block_bits, values, offsets, counts,
                                            first_hist=first_hist)
@@ -270,7 +270,7 @@ def sparse_residual_decode(
     """
     _check_decode(base, values, offsets, counts, block_bits, out)
     if _pick(backend, out) == "triton":
-        from kernels import _codec_triton
+        from megatron_hybridep.kernels import _codec_triton
 
         return _codec_triton.sparse_residual_decode(base, values, offsets, counts, block_bits, out, alpha)
     return sparse_residual_decode_torch(base, values, offsets, counts, block_bits, out, alpha)

@@ -21,8 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from kernels.codec import Backend, _pick, sparse_residual_decode_torch
+from megatron_hybridep.kernels.codec import Backend, _pick, sparse_residual_decode_torch
 
 
 def adamw_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> dict:
@@ -84,7 +83,7 @@ def adamw_step_hist(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
         raise ValueError("param, exp_avg and exp_avg_sq must be fp32 [rows, n]")
     scalars = adamw_scalars(lr, beta1, beta2, eps, weight_decay, step)
     if _pick(backend, param) == "triton":
-        from kernels import _fused_triton
+        from megatron_hybridep.kernels import _fused_triton
 
         hist = torch.zeros(rows, 256, dtype=torch.int32, device=param.device)
         _fused_triton.adamw_hist(param, grad, exp_avg, exp_avg_sq, model_out, base, hist, scalars)
@@ -134,8 +133,9 @@ def decode_rows(base: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
     if shift is not None and (shift.numel() != n or shift.dtype != base.dtype):
         raise ValueError(f"shift must have {n} elements of {base.dtype}")
     if _pick(backend, out) == "triton":
-        from kernels import _fused_triton
-        from kernels._codec_triton import TILE
+        from megatron_hybridep.kernels._codec_triton import TILE
+
+        from megatron_hybridep.kernels import _fused_triton
 
         ent = _entries(offsets, counts, block_bits, n, TILE)
         _fused_triton.decode_rows(base, values, offsets, counts, block_bits, out,

@@ -5,6 +5,7 @@ iteration whatever M, and the one-micro-batch call is the M = 1 list call."""
 import pytest
 import torch
 
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.runtime.launch import run_ranks
 
 STEPS, MICRO = 3, 4
@@ -43,7 +44,7 @@ def _train_both(ctx, hold_copies):
             out_step = train_step(state, batches) if micro > 1 else train_step(state, *batches[0])
             losses.append(out_step["loss"])
             if runtime is not None:
-                gathers.append(runtime.stats.bytes_by(phase="expert_gather"))
+                gathers.append(runtime.stats.bytes_by(phase=Phase.EXPERT_ALLGATHER))
         out[dispatcher] = (losses, {k: v.detach().clone() for k, v in state.model.module.named_parameters()})
         if runtime is not None:
             out["gathers"] = gathers

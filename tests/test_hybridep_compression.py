@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.runtime.launch import run_ranks
 from megatron_hybridep.testing.moe import MoESpec, global_weights, rank_input
 
@@ -56,7 +57,7 @@ def _compressed(ctx, ratio, grad_ratio, use_shared, steps):
                              views[f"local_experts.{i}.linear_fc2.weight"].reshape(-1)])
             errors.append((got - want).abs().max().item())
             exact_errors.append((got - rows[e]).abs().max().item())
-    wire = runtime.stats.bytes_by(phase="expert_gather")
+    wire = runtime.stats.bytes_by(phase=Phase.EXPERT_ALLGATHER)
     expected_wire = (ctx.world_size - 1) * n_local * codec.nbytes(rows.shape[1], rows.dtype)
     # Gradient return with error feedback: the owner's accumulated expert gradient over `steps`
     # identical backward passes, against `steps` times one exact pass (grad ratio 1).
@@ -127,7 +128,7 @@ def _incremental_copies(ctx, incremental, use_shared, ahead=False, numel=64, rat
     gather.drop()
     after_drop = error()
     return dict(fixed=fixed, drifting=drifting, after_drop=after_drop,
-                wire=stats.bytes_by(phase="expert_gather"), per_gather=gather.bytes_per_rank)
+                wire=stats.bytes_by(phase=Phase.EXPERT_ALLGATHER), per_gather=gather.bytes_per_rank)
 
 
 @pytest.mark.parametrize("use_shared", [True, False], ids=["shared+residual", "plain-topk"])

@@ -7,6 +7,7 @@ derived from alltoall's own float32-vs-float64 error in the same run (docs/testi
 import pytest
 import torch
 
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.runtime.launch import run_ranks
 from megatron_hybridep.testing.exactness import FP64_TOL, derived_tolerance, scaled_error
 
@@ -48,7 +49,7 @@ def _train_both(ctx, plan_args):
             assert all(p.dtype == dtype for p in params.values())
             out[dispatcher, dtype] = (torch.tensor(losses, dtype=torch.float64), params)
             if dispatcher == "hybridep":
-                out["gather_bytes", dtype] = runtime.stats.bytes_by(phase="expert_gather")
+                out["gather_bytes", dtype] = runtime.stats.bytes_by(phase=Phase.EXPERT_ALLGATHER)
                 teardown()
     return out
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.runtime.launch import run_ranks
 from megatron_hybridep.testing.exactness import FP64_TOL, scaled_error
 from megatron_hybridep.testing.moe import MoESpec, rank_input
@@ -66,7 +67,7 @@ def _compare(ctx, plans, specs, steps):
             report.append(dict(plan=plan.label, domain=len(runtime.active_groups.domain_ranks), spec=spec,
                                errors=errors, token_bytes=runtime.stats.bytes_by(group="rail"),
                                oracle_bytes=oracle_stats.bytes_by(group="rail"),
-                               gather_bytes=runtime.stats.bytes_by(phase="expert_gather"),
+                               gather_bytes=runtime.stats.bytes_by(phase=Phase.EXPERT_ALLGATHER),
                                counts=np.asarray(counts)))
             teardown()
     ps.destroy_model_parallel()

@@ -31,7 +31,7 @@ def _imports() -> dict[str, set[str]]:
     """Top-level third-party module -> files importing it (module level or lazily, in functions)."""
     found: dict[str, set[str]] = {}
     files = [p for d in PACKAGE_DIRS for p in (ROOT / d).rglob("*.py")] + [ROOT / "pretrain_moe.py"]
-    local = set(PACKAGE_DIRS)
+    local = {"megatron_hybridep"}  # kernels/ is imported as megatron_hybridep.kernels
     for path in files:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
@@ -105,3 +105,20 @@ def test_every_third_party_import_is_declared():
             undeclared[mod] = files
     assert not undeclared, f"imports without a declared distribution: {undeclared}"
 
+
+
+def test_every_dependency_is_imported_by_the_code():
+    """A declared dependency nothing imports (pydantic once) only costs installs."""
+    imported = {d for mod in _imports() for d in _distributions(mod)}
+    unused = _names(_project()["dependencies"]) - imported
+    assert not unused, f"dependencies {unused} are declared in pyproject.toml but no module imports them"
+
+
+def test_kernels_import_as_megatron_hybridep_kernels():
+    """kernels/ is not a top-level import (another project's name on the index) but a subpackage."""
+    assert "kernels" not in _imports(), f"files import a top-level 'kernels': {_imports().get('kernels')}"
+    from megatron_hybridep.kernels import codec
+
+    assert Path(codec.__file__).resolve() == ROOT / "kernels" / "codec.py"
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert pyproject["package-dir"] == {"megatron_hybridep.kernels": "kernels"}  # how a wheel ships it

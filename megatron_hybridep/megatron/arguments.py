@@ -94,6 +94,8 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--hybridep-fp64", action="store_true",
                    help="CPU only: float64 parameters and gradients (exactness checks against alltoall)")
     g.add_argument("--hybridep-log-plan", action="store_true", help="print every candidate plan at start-up")
+    g.add_argument("--hybridep-print-args", action="store_true",
+                   help="CPU runs: print Megatron's table of every argument at start-up (off: ~500 lines)")
     g.add_argument("--hybridep-stall-timeout", type=_seconds, default=None,
                    help="seconds without progress after which a rank counts as stalled and the job fails naming "
                         "it (default: max(60, 10 x median measured step, 3 x predicted step); 0 = off; under "

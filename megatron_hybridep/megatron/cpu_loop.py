@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import logging
 import math
 import time
@@ -52,7 +53,10 @@ def _validated(args: argparse.Namespace) -> argparse.Namespace:
 
     if args.moe_token_dispatcher_type == "hybridep" and args.gradient_accumulation_fusion:
         args.gradient_accumulation_fusion = False  # no fused wgrad into main_grad on CPU anyway
-    validate_args(args)
+    if getattr(args, "hybridep_print_args", False):
+        validate_args(args)
+    else:
+        _without_args_table(validate_args, args)
     if getattr(args, "hybridep_fp64", False):
         import torch
 
@@ -65,6 +69,23 @@ def _validated(args: argparse.Namespace) -> argparse.Namespace:
 
     _build_tokenizer(args)  # sets args.padded_vocab_size as initialize_megatron would
     return args
+
+
+def _without_args_table(validate_args: Callable[..., Any], args: argparse.Namespace) -> None:
+    """Megatron's validate_args with the rest of its output, less the table of every argument it
+    prints on rank 0 (it has no flag for it; --hybridep-print-args keeps it)."""
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            validate_args(args)
+    finally:
+        skip = False
+        for line in out.getvalue().splitlines():
+            if line.startswith("-" * 8) and " arguments " in line:
+                skip = not line.lstrip("-").startswith(" end of")
+                continue
+            if not skip:
+                print(line, flush=True)
 
 
 def build_model(args: argparse.Namespace) -> tuple[list[Any], Any, Any, Any]:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.runtime.instrument import Stats
 
@@ -62,7 +63,7 @@ def instrument(dispatcher: MoEAlltoAllTokenDispatcher, stats: Stats, layer: int,
         t0 = time.perf_counter()
         out = dispatch(hidden_states, probs)
         row = hidden_states.shape[-1] * hidden_states.element_size() + (0 if probs is None else probs.element_size())
-        _record(stats, layer, "token_dispatch", dispatcher.input_splits, dispatcher.ep_rank, row, levels,
+        _record(stats, layer, Phase.TOKEN_DISPATCH, dispatcher.input_splits, dispatcher.ep_rank, row, levels,
                 time.perf_counter() - t0)
         return out
 
@@ -70,7 +71,7 @@ def instrument(dispatcher: MoEAlltoAllTokenDispatcher, stats: Stats, layer: int,
         t0 = time.perf_counter()
         out = combine(hidden_states)
         row = hidden_states.shape[-1] * hidden_states.element_size()
-        _record(stats, layer, "token_combine", dispatcher.output_splits, dispatcher.ep_rank, row, levels,
+        _record(stats, layer, Phase.TOKEN_COMBINE, dispatcher.output_splits, dispatcher.ep_rank, row, levels,
                 time.perf_counter() - t0)
         return out
 

@@ -21,8 +21,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_hybridep.megatron import measure
+from megatron_hybridep.plan.phases import Phase
 
-DENSE_PHASE = "dense_grad_allreduce"
+DENSE_PHASE = Phase.DENSE_GRAD_ALLREDUCE
 
 
 def _wrap_no_sync(inner: Callable[[], Any] | None, runtime: Any) -> Callable[[], Any]:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_hybridep.plan.grid import coords_of
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.plan.topology import Topology
 from megatron_hybridep.runtime.instrument import Stats
 
@@ -60,8 +61,8 @@ def count_grad_reductions(model_chunks: Sequence[Any]) -> None:
         return
     me = dist.get_rank()
     for chunk in model_chunks:
-        for phase, buffers in (("dense_grad_allreduce", getattr(chunk, "buffers", [])),
-                               ("expert_grad_allreduce", getattr(chunk, "expert_parallel_buffers", []))):
+        for phase, buffers in ((Phase.DENSE_GRAD_ALLREDUCE, getattr(chunk, "buffers", [])),
+                               (Phase.EXPERT_GRAD_ALLREDUCE, getattr(chunk, "expert_parallel_buffers", []))):
             for buf in buffers:
                 group = buf.data_parallel_group
                 ranks = dist.get_process_group_ranks(group)

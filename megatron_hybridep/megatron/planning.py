@@ -14,6 +14,7 @@ from megatron_hybridep.plan.plan import Plan, PlanError
 from megatron_hybridep.plan.planner import PlanningResult, choose_plan
 from megatron_hybridep.plan.topology import Topology
 from megatron_hybridep.plan.workload import Workload
+from megatron_hybridep.runtime.logs import warn_once
 from megatron_hybridep.runtime.migration import MigrationConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -136,7 +137,7 @@ def _runnable(result: PlanningResult, ep: int) -> PlanningResult:
     which a started job cannot do: run the best plan for this EP size and say how to get the other."""
     runnable = next(c for c in result.candidates if c.plan.kind != "replicated")
     fastest = result.chosen
-    log.warning("hybridep: '%s' (Megatron EP inside each DC) is predicted faster than any plan for EP size %d "
+    warn_once(log, "hybridep: '%s' (Megatron EP inside each DC) is predicted faster than any plan for EP size %d "
                 "(%.4g s vs %.4g s per iteration); running '%s'. To run it: --moe-token-dispatcher-type alltoall "
                 "--expert-model-parallel-size %d", fastest.plan.label, ep, fastest.cost.total, runnable.cost.total,
                 runnable.plan.label, fastest.plan.megatron_ep_size)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron_hybridep.megatron.planning import PlanChoice
 from megatron_hybridep.plan.cost import bytes_human
+from megatron_hybridep.plan.phases import Phase
 
 
 class Reporter:
@@ -68,7 +69,8 @@ class Reporter:
         dist.all_reduce(t)  # the phase lists agree: every rank runs the same collectives
         for p, b in zip(phases, t.tolist(), strict=True):
             self.summary.inter_dc_by_phase[p] = self.summary.inter_dc_by_phase.get(p, 0.0) + b
-        exposed = stats.seconds_by(group="rail") + stats.seconds_by(phase="expert_gather") if self.runtime else 0.0
+        exposed = (stats.seconds_by(group="rail") + stats.seconds_by(phase=Phase.EXPERT_ALLGATHER)
+                   if self.runtime else 0.0)
         stats.reset()
         return float(t.sum().item()), exposed
 

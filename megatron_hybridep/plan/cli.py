@@ -9,6 +9,7 @@ from typing import Any
 
 from megatron_hybridep.plan.cost import bytes_human, seconds_human
 from megatron_hybridep.plan.errors import PlanError
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.plan.planner import (
     COST_MODELS,
     Candidate,
@@ -238,17 +239,21 @@ def header(r: PlanningResult) -> str:
 
 
 def _row(r: PlanningResult, c: Candidate, wan: str) -> list[str]:
-    ph = c.cost.phases
+    ph, P = c.cost.phases, Phase
+
+    def sum_of(*phases: Phase) -> float:
+        return sum(ph.get(x, 0) for x in phases)
+
     mem = c.cost.memory.total if c.cost.memory else 0.0
     lv = next((x for x in c.cost.levels if x.name == wan), None)
     mark = "*" if c.plan == r.best else ("-" if not c.fits_memory else "")
     copies = c.cost.borrowed_copies if c.plan.kind == "domains" and c.plan.domain_size > 1 else "-"
     return [mark, c.plan.label, f"{c.plan.domain_size} x {c.plan.rail_size}", copies, seconds_human(c.cost.total),
-            f"{r.speedup(c):.2f}x", seconds_human(ph.get("pre_compute", 0) + ph.get("expert_compute", 0)),
-            seconds_human(ph.get("token_a2a_fwd", 0) + ph.get("token_a2a_bwd", 0)),
-            seconds_human(ph.get("expert_allgather", 0) + ph.get("shared_sync", 0) + ph.get("replica_weights", 0)),
-            seconds_human(ph.get("grad_return", 0) + ph.get("replica_grad_return", 0)),
-            seconds_human(ph.get("expert_grad_allreduce", 0)), seconds_human(ph.get("dense_grad_allreduce", 0)),
+            f"{r.speedup(c):.2f}x", seconds_human(sum_of(P.PRE_COMPUTE, P.EXPERT_COMPUTE)),
+            seconds_human(sum_of(P.TOKEN_A2A_FWD, P.TOKEN_A2A_BWD)),
+            seconds_human(sum_of(P.EXPERT_ALLGATHER, P.SHARED_SYNC, P.REPLICA_WEIGHTS)),
+            seconds_human(sum_of(P.GRAD_RETURN, P.REPLICA_GRAD_RETURN)),
+            seconds_human(sum_of(P.EXPERT_GRAD_ALLREDUCE)), seconds_human(sum_of(P.DENSE_GRAD_ALLREDUCE)),
             bytes_human(lv.uplink_bytes) if lv and r.cost_model == "ours" else "-",
             bytes_human(mem)]
 

@@ -57,13 +57,13 @@ from megatron_hybridep.plan.network import (
     replica_family,
     world_domain_sizes,
 )
+from megatron_hybridep.plan.phases import EXPOSED, Phase
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import EPLayout, Topology
 from megatron_hybridep.plan.workload import Workload
 
 # exposed-time phases, in the order they are reported; they sum to the total
-PHASES = ("pre_compute", "expert_compute", "token_a2a_fwd", "token_a2a_bwd", "expert_allgather",
-          "grad_return", "shared_sync", "dense_grad_allreduce", "expert_grad_allreduce")
+PHASES = EXPOSED
 
 
 @dataclass(frozen=True)
@@ -312,23 +312,23 @@ class CostModel:
         gathers = first + (Lm - 1) * later + (mg - 1) * (restart + (Lm - 1) * later)
         dense = self.dense_allreduce()
         phases = {
-            "pre_compute": 3 * t_pre * Lm * m,
-            "expert_compute": 3 * expert_fwd * m,
-            "token_a2a_fwd": 2 * a2a_total * m,
-            "token_a2a_bwd": 2 * a2a_total * m,
-            "expert_allgather": gathers,
-            "grad_return": Lm * mg * rs.seconds,
-            "shared_sync": Lm * shared.seconds,
-            "dense_grad_allreduce": dense.seconds,
-            "expert_grad_allreduce": allreduce.seconds,
+            Phase.PRE_COMPUTE: 3 * t_pre * Lm * m,
+            Phase.EXPERT_COMPUTE: 3 * expert_fwd * m,
+            Phase.TOKEN_A2A_FWD: 2 * a2a_total * m,
+            Phase.TOKEN_A2A_BWD: 2 * a2a_total * m,
+            Phase.EXPERT_ALLGATHER: gathers,
+            Phase.GRAD_RETURN: Lm * mg * rs.seconds,
+            Phase.SHARED_SYNC: Lm * shared.seconds,
+            Phase.DENSE_GRAD_ALLREDUCE: dense.seconds,
+            Phase.EXPERT_GRAD_ALLREDUCE: allreduce.seconds,
         }
         raw = {"t_pre": t_pre, "expert_fwd": expert_fwd / Lm, "a2a": a2a_total / Lm,
-               "expert_allgather": ag.seconds, "grad_return": rs.seconds, "shared_sync": shared.seconds,
-               "dense_grad_allreduce": dense.seconds, "expert_grad_allreduce": allreduce.seconds}
+               Phase.EXPERT_ALLGATHER: ag.seconds, Phase.GRAD_RETURN: rs.seconds, Phase.SHARED_SYNC: shared.seconds,
+               Phase.DENSE_GRAD_ALLREDUCE: dense.seconds, Phase.EXPERT_GRAD_ALLREDUCE: allreduce.seconds}
 
-        occurrences = [("token_a2a", p, 4 * m * per_layer) for p in a2a_layers] + [
-            ("expert_allgather", ag, Lm * mg), ("grad_return", rs, Lm * mg), ("shared_sync", shared, Lm),
-            ("dense_grad_allreduce", dense, 1), ("expert_grad_allreduce", allreduce, 1)]
+        occurrences = [(Phase.TOKEN_A2A, p, 4 * m * per_layer) for p in a2a_layers] + [
+            (Phase.EXPERT_ALLGATHER, ag, Lm * mg), (Phase.GRAD_RETURN, rs, Lm * mg), (Phase.SHARED_SYNC, shared, Lm),
+            (Phase.DENSE_GRAD_ALLREDUCE, dense, 1), (Phase.EXPERT_GRAD_ALLREDUCE, allreduce, 1)]
         levels = []
         for lvl, lv in enumerate(self.topology.levels):
             secs: dict[str, float] = {}

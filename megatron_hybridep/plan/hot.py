@@ -20,10 +20,11 @@ import numpy as np
 
 from megatron_hybridep.plan.cost import CostBreakdown, CostModel, LevelBreakdown, bytes_human, seconds_human
 from megatron_hybridep.plan.grid import coord_array
+from megatron_hybridep.plan.phases import REPLICA, Phase
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import EPLayout
 
-REPLICA_PHASES = ("replica_weights", "replica_grad_return")
+REPLICA_PHASES = REPLICA
 
 
 def place_replicas(loads: np.ndarray, holds: np.ndarray, token_seconds: np.ndarray,
@@ -132,10 +133,10 @@ def evaluate(model: CostModel, plan: Plan) -> CostBreakdown:
     fwd = model.network.flows(lay, owners, dst, ones * w.expert_bytes)
     bwd = model.network.flows(lay, dst, owners, ones * w.expert_params * w.grad_bytes)
     count = w.stage_moe_layers * (1 if c.borrowed_copies == "iteration" else w.micro_batches)  # gather's rhythm
-    hide = max(0.0, w.t_pre - c.raw["expert_allgather"])  # prefetched like the gather, behind what T_pre has left
-    phases = {**c.phases, "replica_weights": count * max(0.0, fwd.seconds - hide),
-              "replica_grad_return": count * bwd.seconds}
-    raw = {**c.raw, "replica_weights": fwd.seconds, "replica_grad_return": bwd.seconds}
+    hide = max(0.0, w.t_pre - c.raw[Phase.EXPERT_ALLGATHER])  # prefetched like the gather, behind what T_pre has left
+    phases = {**c.phases, Phase.REPLICA_WEIGHTS: count * max(0.0, fwd.seconds - hide),
+              Phase.REPLICA_GRAD_RETURN: count * bwd.seconds}
+    raw = {**c.raw, Phase.REPLICA_WEIGHTS: fwd.seconds, Phase.REPLICA_GRAD_RETURN: bwd.seconds}
     levels = tuple(LevelBreakdown(
         lv.name, lv.link_bytes + count * (fwd.pair_bytes[i] + bwd.pair_bytes[i]),
         lv.uplink_bytes + count * (fwd.uplink_bytes[i] + bwd.uplink_bytes[i]),

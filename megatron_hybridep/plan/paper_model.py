@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from megatron_hybridep.plan.cost import CostBreakdown, LevelBreakdown
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.grid import divisors
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import EPLayout, Topology
 from megatron_hybridep.plan.workload import Workload
@@ -153,11 +154,11 @@ class PaperModel:
         layer, times = self.combine(lay, plan.domain_sizes)
         ag, a2a = sum(t.ag for t in times), sum(t.a2a for t in times)
         Lm, m = w.num_moe_layers, w.micro_batches
-        phases = {"pre_compute": w.t_pre * Lm * m, "expert_allgather": Lm * max(0.0, ag - w.t_pre),
-                  "token_a2a_fwd": Lm * m * a2a}
+        phases = {Phase.PRE_COMPUTE: w.t_pre * Lm * m, Phase.EXPERT_ALLGATHER: Lm * max(0.0, ag - w.t_pre),
+                  Phase.TOKEN_A2A_FWD: Lm * m * a2a}
         levels = tuple(
-            LevelBreakdown(name, 0.0, 0.0, {"expert_allgather": t.ag * Lm, "token_a2a": t.a2a * Lm * m})
+            LevelBreakdown(name, 0.0, 0.0, {Phase.EXPERT_ALLGATHER: t.ag * Lm, Phase.TOKEN_A2A: t.a2a * Lm * m})
             for name, t in zip(lay.names, times, strict=True))
-        raw = {"t_pre": w.t_pre, "expert_allgather": ag, "a2a": a2a / 2, "layer_forward": layer}
+        raw = {"t_pre": w.t_pre, Phase.EXPERT_ALLGATHER: ag, "a2a": a2a / 2, "layer_forward": layer}
         return CostBreakdown("paper", sum(phases.values()), phases, raw, levels, None,
                              ("paper model: forward only, no latency, no contention, balanced routing",))

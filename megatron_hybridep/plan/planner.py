@@ -21,6 +21,7 @@ from megatron_hybridep.plan.grid import divisors
 from megatron_hybridep.plan.hot import evaluate as evaluate_plan
 from megatron_hybridep.plan.hot import hot_plan
 from megatron_hybridep.plan.paper_model import PaperModel, PaperResult
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import EPLayout, Topology
 from megatron_hybridep.plan.workload import Workload
@@ -185,7 +186,7 @@ def replan(topology: Topology, workload: Workload, current: Plan, *, horizon_ite
     cur_t, best_t = costs[current].total, costs[best].total
     if switch_seconds is None:
         exact = CostModel(topology, workload.replace(compression_ratio=1.0, compressed_expert_bytes=None))
-        switch_seconds = workload.num_moe_layers * exact.evaluate(best).raw["expert_allgather"]
+        switch_seconds = workload.num_moe_layers * exact.evaluate(best).raw[Phase.EXPERT_ALLGATHER]
     gain = (cur_t - best_t) * horizon_iterations
     if best == current or gain <= switch_seconds:
         why = ("the current plan is the best" if best == current else

@@ -7,13 +7,13 @@ layer and per micro-batch unless its name says otherwise.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from megatron_hybridep.plan import wire
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.fields import FieldReader, load_yaml
 
@@ -279,30 +279,10 @@ class Workload:
         return cls.from_dict(load_yaml(path), source=path)
 
 
-ALIGN = 16  # every payload section starts at a 16-byte boundary
-# sparse index schemes of the codec: (block bits, offset bytes, count bytes)
-_SCHEMES = ((8, 1, 2), (16, 2, 4), (32, 4, 4))
-
-
-def _align(x: int) -> int:
-    return -(-x // ALIGN) * ALIGN
-
-
 def codec_payload_bytes(numel: int, ratio: float, value_bytes: int) -> int:
-    """Bytes on the wire for one tensor under the project's codec (runtime/compression.py, element
-    ratio): k = max(1, floor(numel / ratio)) values, then per-block counts and block-local offsets
-    for the cheapest index scheme, each section 16-byte aligned; dense when that is not smaller.
-    Mirrored here because plan/ must not import torch; tests check it against encoded_nbytes."""
-    dense = _align(numel * value_bytes)
-    if ratio <= 1:
-        return dense
-    k = max(1, min(numel, math.floor(numel / ratio * (1 + 1e-9))))
-    best = dense
-    for bits, offset_bytes, count_bytes in _SCHEMES:
-        nblocks = 1 if bits == 32 else -(-numel // (1 << bits))
-        offsets_at = _align(_align(k * value_bytes) + nblocks * count_bytes)
-        best = min(best, _align(offsets_at + k * offset_bytes))
-    return best
+    """Bytes on the wire for one tensor under the project's codec at an element ratio: the wire
+    format's own count (plan/wire.py), which the runtime codec lays its payloads out with."""
+    return wire.payload_bytes(numel, ratio, value_bytes)
 
 
 def _is_number(value: Any) -> bool:

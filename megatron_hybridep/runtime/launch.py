@@ -19,15 +19,16 @@ import signal
 import tempfile
 import time
 import traceback
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from megatron_hybridep.runtime.logs import quiet_known_warnings
+
 # Imported once by the fork server so each rank starts in ~0.1 s instead of re-importing torch and
-# Megatron (~5 s each on these machines).
-PRELOAD = ["torch", "torch.distributed", "megatron.core.transformer.moe.moe_layer",
+# Megatron (~5 s each on these machines); runtime.logs first, so its warning filters cover those imports.
+PRELOAD = ["megatron_hybridep.runtime.logs", "torch", "torch.distributed", "megatron.core.transformer.moe.moe_layer",
            "megatron.core.models.gpt.gpt_model", "megatron.core.distributed", "megatron.core.optimizer"]
 
 _CTX: mp.context.ForkServerContext | None = None
@@ -117,12 +118,7 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, timeout: flo
     global _BEAT
     _BEAT = (*beat, rank, [])
     os.environ.update(env)
-    for harmless in (r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*",
-                     r".*transformer-engine>=1\.7\.0 supports MoE experts.*",
-                     r"full scope is deprecated.*", r"MimoModelConfig is experimental.*",
-                     r".*`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated.*"):
-        # CPU: no TE/Apex by design; the rest are Megatron's own calls, repeated on every rank
-        warnings.filterwarnings("ignore", message=harmless)
+    quiet_known_warnings()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     # A hung rank dumps every thread's stack and exits by itself, even if the parent is gone.

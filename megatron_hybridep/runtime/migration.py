@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.runtime.borrowed import OwedGradient, add_to_grads, split_like, version_key
 from megatron_hybridep.runtime.compression import (
     ErrorFeedbackTopK,
@@ -323,10 +324,10 @@ class DomainGather:
                 self._copies = rows.detach()  # never written in place: the next gather decodes into a new buffer
                 self._copies_shared = pending.shared
         if self.stats is not None:
-            self.stats.add(self.layer, "expert_gather", "domain", 0, time.perf_counter() - t0,
+            self.stats.add(self.layer, Phase.EXPERT_ALLGATHER, "domain", 0, time.perf_counter() - t0,
                            wall=time.perf_counter() - pending.started)
             self.stats.add_borrowed(self.layer, (self.size - 1) * self.numel * result.element_size())
-            self._count_bytes("expert_gather", self.bytes_per_rank)
+            self._count_bytes(Phase.EXPERT_ALLGATHER, self.bytes_per_rank)
         return result
 
     @staticmethod
@@ -390,8 +391,8 @@ class DomainGather:
             work.wait()
             done()
             if self.stats is not None:  # time this rank spent on it: launching + waiting
-                self.stats.add(self.layer, "grad_return", "domain", 0, launched + time.perf_counter() - t1)
-                self._count_bytes("grad_return", nbytes)
+                self.stats.add(self.layer, Phase.GRAD_RETURN, "domain", 0, launched + time.perf_counter() - t1)
+                self._count_bytes(Phase.GRAD_RETURN, nbytes)
             return out
 
         return finish
@@ -411,7 +412,7 @@ class DomainGather:
         if self._pending is not None:
             if self._pending.handle is not None:
                 self._pending.handle.wait()
-            self._count_bytes("expert_gather", self.bytes_per_rank)  # its bytes crossed the links all the same
+            self._count_bytes(Phase.EXPERT_ALLGATHER, self.bytes_per_rank)  # its bytes crossed the links all the same
         self._pending = self._encoded = None
         self._copy = self._copy_key = None
         self._held = self._copies = None

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.runtime.borrowed import OwedGradient, add_to_grads, split_like, version_key
 from megatron_hybridep.runtime.instrument import Stats
@@ -132,7 +133,8 @@ class ReplicaExchange:
     def _finish(self, pending: _Pending) -> torch.Tensor:
         t0 = time.perf_counter()
         pending.handle.wait()
-        self._count("replica_weights", self.in_splits, time.perf_counter() - t0, time.perf_counter() - pending.started)
+        self._count(Phase.REPLICA_WEIGHTS, self.in_splits, time.perf_counter() - t0,
+                    time.perf_counter() - pending.started)
         return pending.recv
 
     def _return_grads(self, grad_recv: torch.Tensor) -> torch.Tensor:
@@ -152,7 +154,7 @@ class ReplicaExchange:
             work.wait()
             grad = grad_recv.new_zeros(self.num_local, self.row)
             grad.index_add_(0, self.send_rows, grad_send.view(-1, self.row))
-            self._count("replica_grad_return", self.out_splits, launched + time.perf_counter() - t1)
+            self._count(Phase.REPLICA_GRAD_RETURN, self.out_splits, launched + time.perf_counter() - t1)
             return grad.view(-1)
 
         return finish

@@ -35,16 +35,18 @@ import torch
 import torch.distributed as dist
 
 from megatron_hybridep.plan.cost import CostModel
+from megatron_hybridep.plan.phases import BLOCKING, Phase
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.planner import Replan, evaluate_plan, replan, with_hot_plans
 from megatron_hybridep.plan.topology import Level, Topology
 from megatron_hybridep.plan.workload import Workload
 from megatron_hybridep.runtime.context import HybridEPRuntime
 from megatron_hybridep.runtime.instrument import Stats
+from megatron_hybridep.runtime.logs import warn_once
 
 log = logging.getLogger("hybridep.scheduler")
 
-BLOCKING_PHASES = ("token_dispatch", "token_combine", "grad_return")
+BLOCKING_PHASES = BLOCKING
 
 
 @dataclass(frozen=True)
@@ -240,8 +242,7 @@ class PlanScheduler:
             self._streak += 1
             ready = all(len(v) >= self.config.window for v in self._samples.values())
             if self._streak >= self.config.patience and ready:
-                say = log.warning if not dist.is_initialized() or dist.get_rank() == 0 else log.debug
-                say("hybridep scheduler, iteration %d: switching %s -> %s (%s; predicted %.4g s -> %.4g s "
+                warn_once(log, "hybridep scheduler, iteration %d: switching %s -> %s (%s; predicted %.4g s -> %.4g s "
                     "per iteration; measured bandwidth %s Gbit/s per rank, compute %s s per iteration)",
                     iteration, self.runtime.plan.label, r.plan.label, r.reason, r.current_seconds, r.best_seconds,
                     {k: round(v, 3) for k, v in self.bandwidth_gbps.items()},
@@ -283,7 +284,7 @@ def calibrated(topology: Topology, workload: Workload, plan: Plan, compute_s: fl
     """The workload with its compute speed set so that the cost model's compute of ``plan`` (the
     running one: pre-expert and expert compute, forward and backward) equals the measured compute."""
     c = evaluate_plan(CostModel(topology, workload), plan)
-    predicted = c.phases["pre_compute"] + c.phases["expert_compute"]
+    predicted = c.phases[Phase.PRE_COMPUTE] + c.phases[Phase.EXPERT_COMPUTE]
     if predicted <= 0 or compute_s <= 0:
         return workload
     k = predicted / compute_s  # < 1: the ranks are slower than the workload says

@@ -7,11 +7,12 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.sim.engine import Span
 
-COLORS = {"pre_compute": "#8fbc8f", "expert_compute": "#2e8b57", "token_a2a_fwd": "#d2691e",
-          "token_a2a_bwd": "#f4a460", "expert_allgather": "#4682b4", "grad_return": "#9370db",
-          "shared_sync": "#708090", "expert_grad_allreduce": "#b22222", "dense_grad_allreduce": "#cd5c5c"}
+COLORS = {Phase.PRE_COMPUTE: "#8fbc8f", Phase.EXPERT_COMPUTE: "#2e8b57", Phase.TOKEN_A2A_FWD: "#d2691e",
+          Phase.TOKEN_A2A_BWD: "#f4a460", Phase.EXPERT_ALLGATHER: "#4682b4", Phase.GRAD_RETURN: "#9370db",
+          Phase.SHARED_SYNC: "#708090", Phase.EXPERT_GRAD_ALLREDUCE: "#b22222", Phase.DENSE_GRAD_ALLREDUCE: "#cd5c5c"}
 
 
 def _pyplot():  # noqa: ANN202 - matplotlib module

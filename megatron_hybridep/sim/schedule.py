@@ -42,14 +42,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from megatron_hybridep.plan.errors import PlanError
+from megatron_hybridep.plan.phases import EXPOSED, Phase
 from megatron_hybridep.sim.engine import BLOCK, COMPUTE, START, WAIT, Instr
 
 SCHEDULES = ("runtime", "paper")
 GATHER_MODES = ("auto", "iteration", "microbatch", "micro-batch")  # "micro-batch": the older spelling
 
-# exposed-time phases (plan/cost.py PHASES): they sum to the iteration time
-PHASES = ("pre_compute", "expert_compute", "token_a2a_fwd", "token_a2a_bwd", "expert_allgather",
-          "grad_return", "shared_sync", "dense_grad_allreduce", "expert_grad_allreduce")
+# the exposed-time phases (plan/phases.py): they sum to the iteration time
+PHASES = EXPOSED
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def build_program(layers: Sequence[LayerWork], micro_batches: int, *, gather: st
         # DomainGather.start() refreshes the shared expert (a blocking all-reduce over the EP group,
         # amortised per step) right before the first gather of each layer in a step
         if shared_sync is not None:
-            add(Instr(BLOCK, "shared_sync", op=shared_sync, layer=layer, micro_batch=0, stage=stage))
+            add(Instr(BLOCK, Phase.SHARED_SYNC, op=shared_sync, layer=layer, micro_batch=0, stage=stage))
 
     def start(layer: int, mb: int, stage: str) -> None:
         # HybridEPMoELayer.start_gather: the domain gather (after its refresh), then the replica weights
@@ -126,17 +126,17 @@ def build_program(layers: Sequence[LayerWork], micro_batches: int, *, gather: st
         if gathers(mb):
             if mb == 0 and runtime:
                 refresh(layer, stage)
-            add(at(START, "expert_allgather", op=gather, key=key(gather, mb, layer)))
+            add(at(START, Phase.EXPERT_ALLGATHER, op=gather, key=key(gather, mb, layer)))
         if exchanges(mb):
-            add(at(START, "replica_weights", op=replicas, key=key(replicas, mb, layer)))
+            add(at(START, Phase.REPLICA_WEIGHTS, op=replicas, key=key(replicas, mb, layer)))
 
     def wait_gather(at: Callable[..., Instr], mb: int, layer: int) -> None:
         if gathers(mb):
-            add(at(WAIT, "expert_allgather", op=key(gather, mb, layer)))
+            add(at(WAIT, Phase.EXPERT_ALLGATHER, op=key(gather, mb, layer)))
 
     def wait_replicas(at: Callable[..., Instr], mb: int, layer: int) -> None:
         if exchanges(mb):
-            add(at(WAIT, "replica_weights", op=key(replicas, mb, layer)))
+            add(at(WAIT, Phase.REPLICA_WEIGHTS, op=key(replicas, mb, layer)))
 
     if runtime:
         start(0, 0, "step")   # after_optimizer_step
@@ -148,7 +148,7 @@ def build_program(layers: Sequence[LayerWork], micro_batches: int, *, gather: st
             at: Callable[..., Instr] = _at(layer, mb, "fwd")
             if not runtime:
                 start(layer, mb, "fwd")
-            add(at(COMPUTE, "pre_compute", seconds=w.t_pre))
+            add(at(COMPUTE, Phase.PRE_COMPUTE, seconds=w.t_pre))
             if not runtime:
                 wait_gather(at, mb, layer)
                 wait_replicas(at, mb, layer)
@@ -156,26 +156,26 @@ def build_program(layers: Sequence[LayerWork], micro_batches: int, *, gather: st
                 start(0, mb, "fwd")                     # MoE forward(): nothing prefetches it
             if runtime:
                 wait_replicas(at, mb, layer)            # preprocess: replica_experts, before the dispatch
-            add(at(BLOCK, "token_a2a_fwd", op=w.dispatch))
+            add(at(BLOCK, Phase.TOKEN_A2A_FWD, op=w.dispatch))
             if runtime:
                 wait_gather(at, mb, layer)              # borrowed()
-            add(at(COMPUTE, "expert_compute", seconds=w.expert))
+            add(at(COMPUTE, Phase.EXPERT_COMPUTE, seconds=w.expert))
             if runtime and layer + 1 < Lm:
                 start(layer + 1, mb, "fwd")             # after_experts
-            add(at(BLOCK, "token_a2a_fwd", op=w.combine))
+            add(at(BLOCK, Phase.TOKEN_A2A_FWD, op=w.combine))
         if not options.backward:
             continue
         for layer in range(Lm - 1, -1, -1):
             w = layers[layer]
             at = _at(layer, mb, "bwd")
-            add(at(BLOCK, "token_a2a_bwd", op=w.dispatch))    # combine's transpose: same direction as dispatch
-            add(at(COMPUTE, "expert_compute", seconds=2 * w.expert))
+            add(at(BLOCK, Phase.TOKEN_A2A_BWD, op=w.dispatch))    # combine's transpose: same direction as dispatch
+            add(at(COMPUTE, Phase.EXPERT_COMPUTE, seconds=2 * w.expert))
             if returns(mb):
-                add(at(BLOCK, "grad_return", op=grad_return))
-            add(at(BLOCK, "token_a2a_bwd", op=w.combine))     # dispatch's transpose
+                add(at(BLOCK, Phase.GRAD_RETURN, op=grad_return))
+            add(at(BLOCK, Phase.TOKEN_A2A_BWD, op=w.combine))     # dispatch's transpose
             if gives_back(mb):  # _Exchanged.backward: needs the dispatch's input gradient
-                add(at(BLOCK, "replica_grad_return", op=replica_grad))
-            add(at(COMPUTE, "pre_compute", seconds=2 * w.t_pre))
+                add(at(BLOCK, Phase.REPLICA_GRAD_RETURN, op=replica_grad))
+            add(at(COMPUTE, Phase.PRE_COMPUTE, seconds=2 * w.t_pre))
     if present is not None:
         prog = [i for i in prog if i.kind not in (BLOCK, START) or i.op in present]
     return prog

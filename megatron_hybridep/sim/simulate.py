@@ -42,6 +42,7 @@ from megatron_hybridep.plan.network import (
     replica_family,
     world_domain_sizes,
 )
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import EPLayout, Topology
 from megatron_hybridep.plan.workload import Workload
@@ -148,17 +149,17 @@ def ep_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLa
         dom = _local(domain_family(lay, S_world), o)
         colls.append(Collective("gather", RING, dom, (S - 1) * own * w.expert_wire_bytes, S - 1))
         if w.grad_compression_ratio > 1:  # top-k payloads by all_to_all_single in the domain
-            colls.append(Collective("grad_return", A2A, dom, own * w.returned_grad_bytes(mode), 1))
+            colls.append(Collective(Phase.GRAD_RETURN, A2A, dom, own * w.returned_grad_bytes(mode), 1))
         else:                               # reduce_scatter: a ring
-            colls.append(Collective("grad_return", RING, dom, (S - 1) * own * w.returned_grad_bytes(mode), S - 1))
-        names.update(gather="gather", grad_return="grad_return")
+            colls.append(Collective(Phase.GRAD_RETURN, RING, dom, (S - 1) * own * w.returned_grad_bytes(mode), S - 1))
+        names.update(gather="gather", grad_return=Phase.GRAD_RETURN)
     if names["gather"] is not None and w.shared_sync_bytes:  # refreshed by DomainGather.start(): domains of S > 1
         group = _local(domain_family(lay, lay.extent), o)
-        colls.append(Collective("shared_sync", RING, group, 2 * (G - 1) / G * w.shared_sync_bytes, 2 * (G - 1)))
-        names["shared_sync"] = "shared_sync"
+        colls.append(Collective(Phase.SHARED_SYNC, RING, group, 2 * (G - 1) / G * w.shared_sync_bytes, 2 * (G - 1)))
+        names["shared_sync"] = Phase.SHARED_SYNC
     if plan.replicas:
         colls += replica_collectives(w, plan)
-        names.update(replicas="replica_weights", replica_grad="replica_grad_return")
+        names.update(replicas=Phase.REPLICA_WEIGHTS, replica_grad=Phase.REPLICA_GRAD_RETURN)
     return colls, layers, names
 
 
@@ -170,8 +171,8 @@ def replica_collectives(w: Workload, plan: Plan) -> list[Collective]:
     owners = experts // plan.experts_per_rank
     copies = np.bincount(owners * G + ranks, minlength=G * G)
     s, d = np.divmod(np.arange(G * G), G)
-    return [Collective("replica_weights", PAIRS, src=s, dst=d, pair_bytes=copies * w.expert_bytes),
-            Collective("replica_grad_return", PAIRS, src=d, dst=s,
+    return [Collective(Phase.REPLICA_WEIGHTS, PAIRS, src=s, dst=d, pair_bytes=copies * w.expert_bytes),
+            Collective(Phase.REPLICA_GRAD_RETURN, PAIRS, src=d, dst=s,
                        pair_bytes=copies * w.expert_params * w.grad_bytes)]
 
 
@@ -190,16 +191,16 @@ def world_collectives(topology: Topology, workload: Workload, plan: Plan, lay: E
         dense_grad_bytes = w.model_dense_params / (tp * w.pipeline_model_parallel_size) * w.main_grad_bytes
     if dense_grad_bytes > 0 and k > 1:
         fam = Family(n[:-1] + (n[-1] // tp,), (1,) * (len(n) - 1) + (tp,))  # same TP rank: stride TP
-        out.append(("dense_grad_allreduce",
-                    Collective("dense_grad_allreduce", RING, fam, 2 * (k - 1) / k * dense_grad_bytes, 2 * (k - 1))))
+        out.append((Phase.DENSE_GRAD_ALLREDUCE,
+                    Collective(Phase.DENSE_GRAD_ALLREDUCE, RING, fam, 2 * (k - 1) / k * dense_grad_bytes, 2 * (k - 1))))
     if plan.kind == "domains":
         fam, k, own = replica_family(topology, lay), lay.num_groups, plan.num_experts // plan.ep_size
     else:
         fam, k, own = dc_replica_family(topology), topology.level_counts[0], plan.num_experts // plan.rail_size
     if k > 1:
         grad = own * w.expert_params / w.tensor_model_parallel_size * w.main_grad_bytes * w.stage_moe_layers
-        out.append(("expert_grad_allreduce",
-                    Collective("expert_grad_allreduce", RING, fam, 2 * (k - 1) / k * grad, 2 * (k - 1))))
+        out.append((Phase.EXPERT_GRAD_ALLREDUCE,
+                    Collective(Phase.EXPERT_GRAD_ALLREDUCE, RING, fam, 2 * (k - 1) / k * grad, 2 * (k - 1))))
     return out
 
 

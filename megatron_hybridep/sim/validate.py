@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_hybridep.plan.errors import PlanError
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import Level, Topology
 from megatron_hybridep.plan.workload import Workload
@@ -299,7 +300,7 @@ def calibrate(p: BenchPoint, options: SimOptions) -> Workload:
     framework time) in the same proportions as the estimate - and, like compute, it hides gathers."""
     assert p.unshaped is not None and p.unshaped_topology is not None
     r = simulate(p.unshaped_topology, p.workload, p.plan, options=options)
-    compute = r.phases["pre_compute"] + r.phases["expert_compute"]
+    compute = r.phases[Phase.PRE_COMPUTE] + r.phases[Phase.EXPERT_COMPUTE]
     k = max(p.unshaped - (r.total - compute), 0.0) / compute if compute > 0 else 1.0
     w = p.workload
     return w.replace(t_pre_ms=w.t_pre * k * 1e3, throughput_tflops=w.throughput_tflops / k if k > 0 else 1e9)
@@ -328,7 +329,8 @@ def compare(points: Sequence[BenchPoint], options: SimOptions | None = None,
             sim = p.unshaped + shaped.total - simulate(p.unshaped_topology, p.workload, p.plan, options=opts).total
         extra = 0.0
         if p.a2a_efficiency != 1.0 and rails_cross_dcs(p.plan):
-            extra = (1 / p.a2a_efficiency - 1) * (shaped.phases["token_a2a_fwd"] + shaped.phases["token_a2a_bwd"])
+            a2a = shaped.phases[Phase.TOKEN_A2A_FWD] + shaped.phases[Phase.TOKEN_A2A_BWD]
+            extra = (1 / p.a2a_efficiency - 1) * a2a
         out.append(Comparison(p, sim + extra, sim))
     return out
 

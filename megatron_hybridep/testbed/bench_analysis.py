@@ -9,9 +9,11 @@ import platform
 import statistics
 from typing import Any
 
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.testbed import bench_predict as bp
 from megatron_hybridep.testbed import bench_report as br
 from megatron_hybridep.testbed.bench_config import SYSTEMS, BenchConfig
+from megatron_hybridep.testbed.bench_predict import MEASURED
 from megatron_hybridep.testbed.bench_session import Session
 from megatron_hybridep.testbed.selfcheck import TCP_GOODPUT_FRACTION
 
@@ -49,9 +51,10 @@ def make_row(cfg: BenchConfig, e: dict[str, Any], base: dict[str, Any], pred: bp
     link = e["link"]
     n, it = len(link), e["iters"]
     m = e.get("micro_batches", 1)
-    a2a_fwd = r["token_dispatch_s"] + r["token_combine_s"]
-    payload = sum(r[f"{p}_dc_bytes"] for p in ("token_dispatch", "token_combine", "expert_gather", "grad_return"))
-    payload += r["token_dispatch_dc_bytes"] + r["token_combine_dc_bytes"]  # backward: the transposes
+    P, ph = Phase, pred.phases
+    a2a_fwd = r[f"{P.TOKEN_DISPATCH}_s"] + r[f"{P.TOKEN_COMBINE}_s"]
+    payload = sum(r[f"{p}_dc_bytes"] for p in MEASURED)
+    payload += r[f"{P.TOKEN_DISPATCH}_dc_bytes"] + r[f"{P.TOKEN_COMBINE}_dc_bytes"]  # backward: the transposes
     return br.Row(
         point=e["point"], tokens=e["tokens"], micro_batch=e["micro_batch"], seq=e["seq"],
         micro_batches=m, token_traffic_mb=cfg.model.token_traffic_bytes(e["tokens"], m) / 1e6,
@@ -63,16 +66,18 @@ def make_row(cfg: BenchConfig, e: dict[str, Any], base: dict[str, Any], pred: bp
         pred_error_pct=(pred.total / e["median_s"] - 1) * 100, planner_s=pred.planner_total,
         a2a_efficiency=a2a_efficiency, pred_uncal_s=pred.uncalibrated_total,
         pred_uncal_error_pct=(pred.uncalibrated_total / e["median_s"] - 1) * 100,
-        pred_token_a2a_s=pred.phases["token_a2a"], pred_expert_gather_s=pred.phases["expert_gather"],
-        pred_grad_return_s=pred.phases["grad_return"], pred_shared_sync_s=pred.phases["shared_sync"],
-        pred_expert_grad_allreduce_s=pred.phases["expert_grad_allreduce"],
-        pred_dense_grad_allreduce_s=pred.phases["dense_grad_allreduce"],
+        # column names are the recorded CSV's (pred_expert_gather_s: the expert all-gather)
+        pred_token_a2a_s=ph[P.TOKEN_A2A], pred_expert_gather_s=ph[P.EXPERT_ALLGATHER],
+        pred_grad_return_s=ph[P.GRAD_RETURN], pred_shared_sync_s=ph[P.SHARED_SYNC],
+        pred_expert_grad_allreduce_s=ph[P.EXPERT_GRAD_ALLREDUCE],
+        pred_dense_grad_allreduce_s=ph[P.DENSE_GRAD_ALLREDUCE],
         meas_a2a_fwd_s=a2a_fwd,
-        pred_a2a_fwd_s=b["token_dispatch_s"] + b["token_combine_s"] + pred.phases["token_a2a"] / 2,
-        meas_gather_wait_s=r["expert_gather_s"], pred_gather_wait_s=b["expert_gather_s"] + pred.phases["expert_gather"],
-        meas_grad_return_s=r["grad_return_s"], pred_grad_return_full_s=b["grad_return_s"] + pred.phases["grad_return"],
+        pred_a2a_fwd_s=b[f"{P.TOKEN_DISPATCH}_s"] + b[f"{P.TOKEN_COMBINE}_s"] + ph[P.TOKEN_A2A] / 2,
+        meas_gather_wait_s=r[f"{P.EXPERT_ALLGATHER}_s"],
+        pred_gather_wait_s=b[f"{P.EXPERT_ALLGATHER}_s"] + ph[P.EXPERT_ALLGATHER],
+        meas_grad_return_s=r[f"{P.GRAD_RETURN}_s"], pred_grad_return_full_s=b[f"{P.GRAD_RETURN}_s"] + ph[P.GRAD_RETURN],
         meas_grad_sync_s=r["grad_sync"],
-        pred_grad_sync_s=b["grad_sync"] + pred.phases["expert_grad_allreduce"] + pred.phases["dense_grad_allreduce"],
+        pred_grad_sync_s=b["grad_sync"] + ph[P.EXPERT_GRAD_ALLREDUCE] + ph[P.DENSE_GRAD_ALLREDUCE],
         wan_tx_mb=sum(c["tx_bytes"] for c in link) / n / it / 1e6,
         wan_rx_mb=sum(c["rx_bytes"] for c in link) / n / it / 1e6,
         pred_wan_mb=pred.dc_uplink_bytes / TCP_GOODPUT_FRACTION / 1e6,
@@ -141,7 +146,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
                   elapsed_s: float) -> None:
     csv_path, png_path = cfg.out / "bench.csv", cfg.out / "bench.png"
     br.write_csv(rows, csv_path)
-    title = (f"HybridEP vs alltoall EP vs replicated: {cfg.dcs} DCs x {cfg.ranks_per_dc} ranks, WAN {cfg.rate_text} "
+    title = (f"{br.systems_title(rows)}: {cfg.dcs} DCs x {cfg.ranks_per_dc} ranks, WAN {cfg.rate_text} "
              f"per DC, model {cfg.model.name}, {cfg.iters} iterations per point")
     br.plot(rows, png_path, title)
     probe = probe_summary(cfg, session.events)

@@ -29,14 +29,18 @@ from typing import Any
 from megatron_hybridep.plan.cost import CostModel
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.network import Family
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.planner import PlanningResult, choose_plan
 from megatron_hybridep.plan.topology import Level, Topology
 from megatron_hybridep.plan.workload import Workload
 
 FP32 = 4  # bytes per element: the CPU runtime trains in fp32 (activations, weights, gradients)
-PHASES = ("token_a2a", "expert_gather", "grad_return", "shared_sync", "expert_grad_allreduce",
-          "dense_grad_allreduce")
+# the network phases a prediction reports (plan/phases.py): token all-to-alls both ways as one
+PHASES = (Phase.TOKEN_A2A, Phase.EXPERT_ALLGATHER, Phase.GRAD_RETURN, Phase.SHARED_SYNC, Phase.EXPERT_GRAD_ALLREDUCE,
+          Phase.DENSE_GRAD_ALLREDUCE)
+# the runtime's Stats phases the bench worker reports per step (seconds and inter-DC bytes)
+MEASURED = (Phase.TOKEN_DISPATCH, Phase.TOKEN_COMBINE, Phase.EXPERT_ALLGATHER, Phase.GRAD_RETURN)
 
 
 @dataclass(frozen=True)
@@ -189,17 +193,12 @@ def network_time(topology: Topology, workload: Workload, plan: Plan, dense_param
     cost = CostModel(topology, workload)
     cb = cost.evaluate(plan)
     ph = cb.phases
-    seconds = {
-        "token_a2a": (ph["token_a2a_fwd"] + ph["token_a2a_bwd"]) / a2a_efficiency,
-        "expert_gather": ph["expert_allgather"],
-        "grad_return": ph["grad_return"],
-        "shared_sync": ph["shared_sync"],
-        "expert_grad_allreduce": ph["expert_grad_allreduce"],
-    }
+    seconds = {p: ph[p] for p in PHASES if p in ph}
+    seconds[Phase.TOKEN_A2A] = (ph[Phase.TOKEN_A2A_FWD] + ph[Phase.TOKEN_A2A_BWD]) / a2a_efficiency
     world = topology.world_size
     dense = cost.network.ring(Family(topology.level_counts, (1,) * len(topology.levels)),
                               2 * (world - 1) / world * dense_params * FP32, 2 * (world - 1))
-    seconds["dense_grad_allreduce"] = dense.seconds
+    seconds[Phase.DENSE_GRAD_ALLREDUCE] = dense.seconds
     # bytes through a DC uplink (level 0), one direction, per iteration
     dc = next(lv for lv in cb.levels if lv.name == topology.levels[0].name)
     return NetworkTime(seconds, dc.uplink_bytes + dense.uplink_bytes[0])
@@ -239,6 +238,6 @@ def best_domains_plan(result: PlanningResult) -> Plan:
     return dataclasses.replace(plan, predicted={}, link_bytes={})
 
 
-__all__ = ["BUILTIN", "Calibration", "ModelShape", "NetworkTime", "PHASES", "Prediction", "best_domains_plan",
-           "candidate_plans", "load_model", "network_time", "plan_for_point", "predict", "system_plan",
-           "testbed_topology"]
+__all__ = ["BUILTIN", "Calibration", "MEASURED", "ModelShape", "NetworkTime", "PHASES", "Prediction",
+           "best_domains_plan", "candidate_plans", "load_model", "network_time", "plan_for_point", "predict",
+           "system_plan", "testbed_topology"]

@@ -162,6 +162,27 @@ def format_targets(checks: Sequence[TargetCheck]) -> str:
     return "\n".join(f"  [{'met' if c.ok else 'MISSED'}] {c.name}: {c.detail}" for c in checks)
 
 
+def systems_title(rows: Sequence[Row]) -> str:
+    """'HybridEP vs alltoall EP ...': the systems these rows measured, in the report's order."""
+    return " vs ".join(SYSTEM_LABEL[s] for s in SYSTEM_ORDER if any(r.system == s for r in rows))
+
+
+def _log_ticks(axis: object, lo: float, hi: float) -> None:
+    """Plain-number labels on a log axis (1-9 under half a decade, 1-2-3-5 within one, 1-2-5 up to
+    three, else decades only) and no minor labels: matplotlib's default labels minor ticks as 2x10^-1,
+    3x10^-1, ..., which collide when the data span under a decade."""
+    import math
+
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    decades = math.log10(hi / lo) if lo > 0 and hi > lo else 0.0
+    subs = (tuple(float(i) for i in range(1, 10)) if decades < 0.5 else (1.0, 2.0, 3.0, 5.0) if decades <= 1
+            else (1.0, 2.0, 5.0) if decades <= 3 else (1.0,))
+    axis.set_major_locator(LogLocator(base=10, subs=subs))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def plot(rows: Sequence[Row], path: Path, title: str) -> None:
     """Step time, speedup vs EP and WAN bytes against token traffic per rank (measured: markers with
     min-max bars; predicted: dashed)."""
@@ -198,6 +219,9 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> None:
     axes[2].set(xscale="log", yscale="log", xlabel="token traffic per rank per iteration (MB, EP)",
                 ylabel="MB per DC uplink per iteration", title="inter-DC bytes (one direction)")
     for ax in axes:
+        for axis, (lo, hi) in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+            if axis.get_scale() == "log":
+                _log_ticks(axis, lo, hi)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)

@@ -33,7 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.testbed.bench_control import CONTROL_ENV, ControlClient
+from megatron_hybridep.testbed.bench_predict import MEASURED
 
 PREFIX = "BENCH "
 WAN_DEV = "wan0"
@@ -311,11 +313,11 @@ def _stats_row(stats: Any) -> dict[str, float]:
     """Seconds and inter-DC payload bytes per phase of one step (runtime/instrument.Stats), and the
     expert gathers' issue-to-use time (the compute a prefetched gather overlaps)."""
     out: dict[str, float] = {}
-    for phase in ("token_dispatch", "token_combine", "expert_gather", "grad_return"):
+    for phase in MEASURED:
         out[f"{phase}_s"] = stats.seconds_by(phase=phase, level="all")
         out[f"{phase}_dc_bytes"] = float(stats.bytes_by(phase=phase, level="dc"))
-    out["expert_gather_wall_s"] = sum(r.wall for (_, phase, _, level), r in stats.records.items()
-                                      if phase == "expert_gather" and level == "all")
+    out[f"{Phase.EXPERT_ALLGATHER}_wall_s"] = sum(r.wall for (_, phase, _, level), r in stats.records.items()
+                                                  if phase == Phase.EXPERT_ALLGATHER and level == "all")
     return out
 
 

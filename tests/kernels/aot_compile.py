@@ -13,7 +13,7 @@ except ImportError:  # pragma: no cover
     print("SKIP no GPUTarget")
     sys.exit(0)
 
-from kernels import _codec_triton as K  # noqa: E402
+from megatron_hybridep.kernels import _codec_triton as K  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 P = lambda t: "*" + t

@@ -11,7 +11,7 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
-from kernels import codec as C  # noqa: E402
+from megatron_hybridep.kernels import codec as C  # noqa: E402
 from megatron_hybridep.runtime import compression as M  # noqa: E402
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16

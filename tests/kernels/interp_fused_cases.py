@@ -10,7 +10,7 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
-from kernels import fused_codec as F  # noqa: E402
+from megatron_hybridep.kernels import fused_codec as F  # noqa: E402
 from megatron_hybridep.runtime.compression import SharedResidualCodec  # noqa: E402
 
 bad = []

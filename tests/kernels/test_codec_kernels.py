@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from kernels import codec as C
+from megatron_hybridep.kernels import codec as C
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from kernels import fused_codec as F
+from megatron_hybridep.kernels import fused_codec as F
 from megatron_hybridep.runtime.compression import SharedResidualCodec
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

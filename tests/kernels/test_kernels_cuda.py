@@ -7,7 +7,7 @@ import torch
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
-from kernels import codec as C  # noqa: E402
+from megatron_hybridep.kernels import codec as C  # noqa: E402
 from megatron_hybridep.runtime.compression import ErrorFeedbackTopK, SharedResidualCodec  # noqa: E402
 
 

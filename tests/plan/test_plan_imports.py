@@ -25,3 +25,24 @@ def test_plan_imports_neither_torch_nor_megatron():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+WALK = """
+import importlib, pkgutil, sys
+import megatron_hybridep.plan, megatron_hybridep.sim
+names = [m.name for pkg in (megatron_hybridep.plan, megatron_hybridep.sim)
+         for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + '.')]
+for name in names:
+    importlib.import_module(name)
+bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'transformer_engine'))
+print(len(names), bad)
+sys.exit(1 if bad or 'megatron_hybridep.plan.phases' not in names or 'megatron_hybridep.plan.wire' not in names else 0)
+"""
+
+
+def test_every_plan_and_sim_module_imports_without_torch():
+    """Each module of plan/ and sim/ (phases and wire included), not only the ones the planner uses."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-c", WALK], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -5,6 +5,7 @@ Megatron's alltoall EP in float64 in both borrowed-copies modes, with and withou
 import pytest
 import torch
 
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.runtime.launch import run_ranks
 from megatron_hybridep.testing.loop import compare, train
 
@@ -54,13 +55,13 @@ def test_wan_bytes_per_iteration_do_not_grow_with_micro_batches_or_recompute():
         return run_ranks(train, 4, [*BASE, *extra], timeout=300)[0]["inter_dc_by_phase"]
 
     one = per_iter("--global-batch-size", "8")
-    moved = one["expert_gather"] + one["grad_return"]
+    moved = one[Phase.EXPERT_ALLGATHER] + one["grad_return"]
     assert moved > 0 and one["dense_grad_allreduce"] > 0
     assert per_iter("--global-batch-size", "32") == one
     assert per_iter("--global-batch-size", "32", *RECOMPUTE["full"]) == one
     # the per-micro-batch mode pays a gather and a return in each of the 4 micro-batches
     old = per_iter("--global-batch-size", "32", "--hybridep-borrowed-copies", "microbatch")
-    assert old["expert_gather"] + old["grad_return"] == 4 * moved
+    assert old[Phase.EXPERT_ALLGATHER] + old["grad_return"] == 4 * moved
     assert old["dense_grad_allreduce"] == one["dense_grad_allreduce"]
 
 
@@ -98,7 +99,7 @@ def _gathers(ctx):
     first = peer_weight().detach().clone()
     with torch.no_grad():  # an evaluation pass before the step: the same copy, no second gather
         assert torch.equal(peer_weight(), first)
-    out["gathers_before_step"] = count("expert_gather")
+    out["gathers_before_step"] = count(Phase.EXPERT_ALLGATHER)
     # three micro-batches, the first two deferred: one return, carrying the sum
     for i in range(3):
         state["defer"] = i < 2
@@ -111,7 +112,7 @@ def _gathers(ctx):
     with torch.no_grad():
         own.add_(1.0)  # ...outlived by another step: it must not be used
     out["after_step"] = peer_weight().detach().clone()
-    out["gathers_after_step"] = count("expert_gather")
+    out["gathers_after_step"] = count(Phase.EXPERT_ALLGATHER)
     out["expected_after_step"] = first + 1.0 + 1.0  # the same roundings as the owner's two steps
     return out
 

@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import Level, Topology
 from megatron_hybridep.plan.workload import Workload
@@ -88,8 +89,8 @@ def test_calls_are_timed_at_their_coarsest_link():
     stats.add(0, "token_dispatch", "rail", 5000, 0.0, level="gpu")
     stats.add(1, "token_combine", "rail", 0, 0.002)             # inside the DC only
     stats.add(1, "token_combine", "rail", 4000, 0.0, level="gpu")
-    stats.add(0, "expert_gather", "domain", 0, 0.5)             # prefetched: not blocking
-    stats.add(0, "expert_gather", "domain", 9000, 0.0, level="dc")
+    stats.add(0, Phase.EXPERT_ALLGATHER, "domain", 0, 0.5)             # prefetched: not blocking
+    stats.add(0, Phase.EXPERT_ALLGATHER, "domain", 9000, 0.0, level="dc")
     stats.add(0, "grad_return", "domain", 0, 0.010)
     stats.add(0, "grad_return", "domain", 2000, 0.0, level="dc")
     nbytes, secs, calls = blocking_by_level(stats, ("dc", "gpu"))

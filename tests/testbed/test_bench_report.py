@@ -1,0 +1,51 @@
+"""The bench PNG: readable log-axis labels and a title naming only the systems that ran (no root needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_hybridep.testbed import bench_report as br
+
+
+def _row(system: str) -> br.Row:
+    kw = {f.name: 1.0 for f in dataclasses.fields(br.Row)}
+    return br.Row(**{**kw, "system": system, "plan": system, "point": 0})
+
+
+def test_title_names_only_the_systems_that_ran():
+    assert br.systems_title([_row("hybridep"), _row("ep")]) == "alltoall EP vs HybridEP"
+    assert br.systems_title([_row("hybridep-compressed")]) == "HybridEP-c"
+
+
+def _labels(axis, renderer) -> list:
+    """Boxes of the tick labels drawn inside the axis range (major and minor)."""
+    lo, hi = sorted(axis.get_view_interval())
+    ticks = axis.get_major_ticks() + axis.get_minor_ticks()
+    return [t.label1.get_window_extent(renderer) for t in ticks
+            if lo <= t.get_loc() <= hi and t.label1.get_visible() and t.label1.get_text()]
+
+
+@pytest.mark.parametrize("xlim, ylim", [((0.5, 17.0), (0.22, 0.28)), ((0.5, 17.0), (0.18, 0.6)),
+                                        ((3.0, 30.0), (0.2, 5.0)),  # matplotlib's own labels collide here
+                                        ((1.5, 6.0), (1e-3, 50.0)), ((0.05, 400.0), (0.9, 1.1))])
+def test_log_axis_labels_do_not_overlap(xlim, ylim):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(16 / 3, 4.8))
+    ax.plot(list(xlim), list(ylim))
+    ax.set(xscale="log", yscale="log")
+    for axis, (lo, hi) in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+        br._log_ticks(axis, lo, hi)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for axis in (ax.xaxis, ax.yaxis):
+        boxes = _labels(axis, renderer)
+        assert len(boxes) >= 2, [t.get_text() for t in axis.get_ticklabels()]  # the axis is readable
+        for i, a in enumerate(boxes):
+            assert not any(a.overlaps(b) for b in boxes[i + 1:])
+    plt.close(fig)
