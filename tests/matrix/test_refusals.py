@@ -13,7 +13,6 @@ pytestmark = pytest.mark.matrix
     (["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"], "--expert-tensor-parallel-size"),
     (["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2"], "--expert-tensor-parallel-size"),
     (["--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"], "--moe-shared-expert-overlap"),
-    (["--use-distributed-optimizer", "--save", "/nonexistent/ckpt"], "--use-distributed-optimizer"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"],
      "--num-layers-per-virtual-pipeline-stage"),
 ])
