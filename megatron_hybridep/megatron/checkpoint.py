@@ -92,8 +92,11 @@ def load(args: argparse.Namespace, model: Any, optimizer: Any, scheduler: Any) -
         return 0
     template = _sharded_state(args, model, optimizer, scheduler, iteration, loading=True)
     state = dist_checkpointing.load(template, _dir(args.load, iteration))
-    model.module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    # no_grad: with fp32/fp64 params the distributed optimizer's main params are views of the
+    # model's (grad-requiring) params, and its load copies into them in place.
+    with torch.no_grad():
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
     torch.distributed.barrier()
     return int(state["iteration"])

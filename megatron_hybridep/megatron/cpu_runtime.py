@@ -406,6 +406,48 @@ def _cpu_fp64_main_grads(orig: Callable) -> Callable:
     return copy
 
 
+def _cpu_state_dict_before_first_step(orig: Callable) -> Callable:
+    """Wraps DistributedOptimizer.state_dict. With torch's Adam (no Apex/TE, always the case on
+    CPU) it reads 'step' from the inner optimizer's per-param state and asserts exactly one value;
+    before the first step there is none, and loading a checkpoint calls state_dict() on a fresh
+    optimizer to build its template (sharded_state_dict(is_loading=True)). Megatron's own
+    _init_optimizer_states_with_dummy_values allocates that state first, as its FSDP load path
+    does; the model, its Adam state and 'step' are then all overwritten by the checkpoint."""
+
+    def state_dict(self: Any) -> Any:
+        from megatron.core.optimizer import distrib_optimizer
+
+        if not distrib_optimizer.HAVE_APEX_OR_TE and len(self.optimizer.state) == 0:
+            self._init_optimizer_states_with_dummy_values()
+        return orig(self)
+
+    return state_dict
+
+
+def _cpu_own_step_per_param(orig: Callable) -> Callable:
+    """Wraps DistributedOptimizer.load_state_dict. With torch's Adam (no Apex/TE) the checkpoint's
+    step lives in its param_groups (upstream asserts one value), but upstream restores it by
+    putting one tensor object into every parameter's state, and the dp_reshardable load then
+    copies the load template's step (the placeholder state's) over it. Every parameter gets its
+    own step tensor with the checkpoint's value, as torch's Adam would hold it; torch's Adam
+    increments each in place, so a shared one would also advance once per parameter."""
+
+    def load_state_dict(self: Any, state_dict: Any) -> None:
+        from megatron.core.optimizer import distrib_optimizer
+
+        orig(self, state_dict)
+        if distrib_optimizer.HAVE_APEX_OR_TE:
+            return
+        steps = {g["step"] for g in state_dict["optimizer"]["param_groups"]}
+        assert len(steps) == 1, steps  # upstream asserts the same
+        step = float(steps.pop())
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = torch.tensor(step, dtype=state["step"].dtype)
+
+    return load_state_dict
+
+
 class _NotSequenceParallel:
     """A TransformerConfig view that reads sequence_parallel as False (for WrappedTorchNorm)."""
 
@@ -475,6 +517,12 @@ _FUNCTION_PATCHES: tuple[_FunctionPatch, ...] = (
     _FunctionPatch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._copy_model_grads_to_main_grads",
                    _cpu_fp64_main_grads, "DistributedOptimizer._copy_model_grads_to_main_grads (grad.float() "
                    "for float64 params)"),
+    _FunctionPatch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.state_dict",
+                   _cpu_state_dict_before_first_step, "DistributedOptimizer.state_dict (torch Adam: asserts "
+                   "one 'step' value, none exists before the first step; loading a checkpoint needs it)"),
+    _FunctionPatch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict",
+                   _cpu_own_step_per_param, "DistributedOptimizer.load_state_dict (torch Adam: one 'step' "
+                   "tensor shared by every parameter's state)"),
     _FunctionPatch("megatron.training.arguments", "get_device_arch_version", _cpu_device_arch_version,
                    "training.utils.common_utils.get_device_arch_version as imported by validate_args"),
 )

@@ -42,16 +42,11 @@ RULES: tuple[Rule, ...] = (
          "fix: drop --moe-shared-expert-overlap"),
     Rule("--moe-latent-size", lambda a: _hybridep(a) and bool(getattr(a, "moe_latent_size", None)),
          "latent MoE is not supported by hybridep; fix: drop --moe-latent-size or use alltoall"),
-    Rule("--use-distributed-optimizer",
-         lambda a: bool(getattr(a, "use_distributed_optimizer", False))
-         and bool(getattr(a, "save", None) or getattr(a, "load", None)),
-         "the distributed optimizer's checkpoint does not save on CPU yet (dp_reshardable: 'empty bucket "
-         "encountered'; fully reshardable: its gather moves shards with .cuda()); fix: drop --save/--load or "
-         "the distributed optimizer on CPU", cpu=True),
-    Rule("--num-layers-per-virtual-pipeline-stage", lambda a: bool(_virtual_stages(a)),
-         "virtual pipeline stages do not run on CPU yet (the gradient sync of the extra model chunk fails on "
-         "gloo: allreduce_coalesced of mixed dtypes; the CPU loop also checkpoints one chunk only); fix: drop "
-         "the virtual stages on CPU (megatron.training runs them on GPU)", cpu=True),
+    Rule("--num-layers-per-virtual-pipeline-stage",
+         lambda a: bool(_virtual_stages(a)) and bool(getattr(a, "save", None) or getattr(a, "load", None)),
+         "with --save/--load: the CPU loop checkpoints a single model chunk, and virtual pipeline stages give "
+         "this rank several; fix: drop --save/--load or the virtual stages on CPU (megatron.training "
+         "checkpoints them on GPU)", cpu=True),
 )
 
 

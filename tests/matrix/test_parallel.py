@@ -1,5 +1,6 @@
-"""Matrix: tensor parallelism with sequence parallelism and pipeline parallelism (1F1B), each with an
-EP group whose HybridEP domains cross DCs. (Virtual pipeline stages are refused on CPU: see
+"""Matrix: tensor parallelism with sequence parallelism, pipeline parallelism (1F1B) and virtual
+pipeline stages (interleaved 1F1B: 4 layers, 2 stages, 2 chunks of one layer per rank), each with an
+EP group whose HybridEP domains cross DCs. (Checkpoints with virtual stages are refused on CPU: see
 megatron/supported.py and test_refusals.py.)
 
 8 ranks as 4 DCs x 2: Megatron puts TP (and with PP, the pipeline stage) outermost-inner so an
@@ -16,6 +17,8 @@ LAYOUTS = {
     "tp2-sp-ep4": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1",
                    "--global-batch-size", "8"],
     "pp2-ep4-1f1b": ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16"],
+    "pp2-vpp2-ep4": ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                     "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "16"],
 }
 
 

@@ -13,9 +13,8 @@ pytestmark = pytest.mark.matrix
     (["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"], "--expert-tensor-parallel-size"),
     (["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2"], "--expert-tensor-parallel-size"),
     (["--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"], "--moe-shared-expert-overlap"),
-    (["--use-distributed-optimizer", "--save", "/nonexistent/ckpt"], "--use-distributed-optimizer"),
-    (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"],
-     "--num-layers-per-virtual-pipeline-stage"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--save", "/nonexistent/ckpt"], "--num-layers-per-virtual-pipeline-stage"),
 ])
 def test_unsupported_combination_is_refused_at_parse_naming_the_flag(flags, flag):
     from megatron_hybridep.megatron.arguments import parse
@@ -33,5 +32,5 @@ def test_the_same_flags_pass_with_alltoall_or_the_fix_applied():
     parse([*TINY, *tp, "--moe-token-dispatcher-type", "alltoall"], default_config=PRESET)
     parse([*TINY, *tp, "--expert-tensor-parallel-size", "1"], default_config=PRESET)
     args = parse([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "4"], default_config=PRESET)
-    args.num_layers_per_virtual_pipeline_stage = 1
+    args.num_layers_per_virtual_pipeline_stage, args.save = 1, "/nonexistent/ckpt"
     check(args, cpu=False)  # a CPU-loop limit only: Megatron's own loop runs virtual stages
