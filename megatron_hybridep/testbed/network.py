@@ -15,6 +15,8 @@ Usage:
     with Testbed(TestbedConfig(dcs=2, ranks_per_dc=2, rate_mbit=100)) as tb:
         result = tb.launch([sys.executable, "train.py"], timeout_s=300)
         tb.set_rate(1, 50)
+        with tb.outage(1):   # DC 1 cut off the WAN (every packet dropped, both ways) for the block
+            ...
 """
 
 from __future__ import annotations
