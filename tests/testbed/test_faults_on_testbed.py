@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-from testbed_helpers import REPO, leftovers
+from testbed_helpers import REPO, leftovers, why_not_root_capable
 
-from megatron_hybridep.testbed import Testbed, TestbedConfig
+from megatron_hybridep.testbed import Testbed, TestbedConfig, netns
 from megatron_hybridep.testbed.launcher import python_cmd
 
 pytestmark = pytest.mark.slow
@@ -77,9 +77,10 @@ def _run(prefix: str, args: list, fault=None, timeout_s: float = 50):  # noqa: A
 
 
 @pytest.fixture(scope="module")
-def undisturbed(tmp_path_factory):
-    from megatron_hybridep.testbed import netns
-
+def undisturbed():
+    """Rank 0's losses of the run without a fault (module-scoped: two tests compare with it)."""
+    if why := why_not_root_capable():
+        pytest.skip(why)
     prefix = f"hep-{os.getpid()}-ref"
     try:
         result, _ = _run(prefix, TRAIN)
@@ -153,7 +154,6 @@ def test_a_killed_or_stalled_rank_is_named_by_its_peer(root_host, prefix, fault)
 
 def test_outage_cuts_a_dc_off_both_ways_and_heals(root_host, prefix):
     from megatron_hybridep.runtime import reachability as R
-    from megatron_hybridep.testbed import netns
 
     with Testbed(TestbedConfig(dcs=3, rate_mbit=100, prefix=prefix)) as tb:
         beacons = [netns.in_netns(tb.netns(dc), lambda dc=dc: R.Beacon(tb.address(dc))) for dc in range(3)]
