@@ -193,6 +193,10 @@ def run(args: argparse.Namespace, collect_params: bool = False,
     measure.enable(choice.topology if choice is not None else topology_for(args, world),
                    runtime.stats if runtime is not None else None)
     chunks, optimizer, lr_scheduler, config = build_model(args)
+    if getattr(args, "hybridep_collective_timeout", None):  # set by pretrain_moe.py under torchrun/srun/testbed
+        from megatron_hybridep.runtime.groups import set_collective_timeout
+
+        set_collective_timeout(args.hybridep_collective_timeout)
     model = chunks[0] if len(chunks) == 1 else chunks  # checkpoint.py takes one chunk
     iteration = checkpoint.load(args, _one(chunks, "--load"), optimizer, lr_scheduler) if args.load else 0
     batches = data.train_batches(args, start_iteration=iteration)

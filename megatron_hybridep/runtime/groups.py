@@ -102,3 +102,19 @@ def build_plan_groups(plans: list[Plan], ep_group: dist.ProcessGroup) -> list[Pl
         out.append(PlanGroups(plan=plan, ep_rank=ep_rank, domain=mine["domain"][0], rail=mine["rail"][0],
                               domain_ranks=mine["domain"][1], rail_ranks=mine["rail"][1]))
     return out
+
+
+def set_collective_timeout(seconds: float) -> int:
+    """Give every process group made so far this collective timeout; returns how many.
+
+    init_process_group's timeout covers the world group only: Megatron's groups get
+    distributed_timeout_minutes and ours (new_group) torch's 30-minute default."""
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
+    groups = list(c10d._world.pg_map)
+    for group in groups:
+        c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+    return len(groups)
+

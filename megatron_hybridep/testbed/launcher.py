@@ -279,8 +279,15 @@ class RankGroup:
 
     def _wait_all(self, deadline: float) -> bool:
         """Reap ranks as they exit (pidfd + select: no polling loop). False on the deadline."""
-        fds = {os.pidfd_open(p.pid): i for i, p in enumerate(self._procs)}
+        fds: dict[int, int] = {}
         stop_at = deadline
+        for i, p in enumerate(self._procs):
+            try:
+                fds[os.pidfd_open(p.pid)] = i
+            except ProcessLookupError:  # already reaped (by poll() or wait_output): nothing to wait on
+                self._returncodes[i] = rc = p.wait()
+                if rc != 0 and self.fail_fast:
+                    stop_at = min(stop_at, time.monotonic() + FAIL_FAST_GRACE_S)
         try:
             while fds:
                 left = stop_at - time.monotonic()

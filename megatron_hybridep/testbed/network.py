@@ -15,18 +15,21 @@ Usage:
     with Testbed(TestbedConfig(dcs=2, ranks_per_dc=2, rate_mbit=100)) as tb:
         result = tb.launch([sys.executable, "train.py"], timeout_s=300)
         tb.set_rate(1, 50)
+        with tb.outage(1):   # DC 1 cut off the WAN (every packet dropped, both ways) for the block
+            ...
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import json
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import FrameType
@@ -125,6 +128,7 @@ class Testbed:
         self.prefix = netns.validate_prefix(config.prefix or f"hep-{os.getpid()}")
         self.config.prefix = self.prefix
         self._shapes: dict[tuple[int, str], shaping.LinkShape] = {}
+        self._wan_down: set[int] = set()
         self._is_up = False
         self._owned = True  # False for attach(): leaving `with` does not tear it down
         self._owner_pid = os.getpid()
@@ -329,6 +333,42 @@ class Testbed:
             for ns, dev in self._ends(dc):
                 self._shapes[(dc, ns)] = shaping.change_rate(ns, dev, self._shapes[(dc, ns)], rate)
             self._write_state()  # so `status` and attach() see the current rates
+
+    def set_wan(self, dc: int, up: bool) -> None:
+        """Cut DC dc off the WAN (up=False: its uplink drops every packet, both ways) or heal it.
+
+        The uplink's switch-side port leaves the bridge: what DC dc sends ends in the switch
+        namespace, nothing is forwarded to it, and both veth ends keep their carrier, addresses and
+        shaping, so its hosts see a silent path (TCP retransmits), as with a 100% loss link. (tc
+        netem loss needs sch_netem, which kernels without linux-modules-extra lack; bridge port
+        states are ignored by some kernels.)"""
+        self._require_up()
+        port = _switch_port(dc)
+        with self._lock:
+            bridge = ["master", BRIDGE] if up else ["nomaster"]
+            sh(["ip", "-n", self.switch_netns, "link", "set", "dev", port, *bridge])
+            if up:
+                self._wan_down.discard(dc)
+            else:
+                self._wan_down.add(dc)
+
+    def wan_down(self) -> list[int]:
+        """The DCs currently cut off the WAN."""
+        return sorted(self._wan_down)
+
+    @contextlib.contextmanager
+    def outage(self, dc: int) -> Iterator[None]:
+        """A WAN outage of DC dc for the duration of the block (healed on leaving it, also on errors).
+
+            with tb.outage(1):
+                group.wait_output("error", timeout_s=3)   # or any timer: the outage's length
+        """
+        self.set_wan(dc, False)
+        try:
+            yield
+        finally:
+            if self._is_up:
+                self.set_wan(dc, True)
 
     def expected_mbit(self, src_dc: int, dst_dc: int) -> float | None:
         """The rate a flow src -> dst should get: min of both uplinks (inside a DC: the fabric); None unshaped."""
