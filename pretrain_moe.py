@@ -31,7 +31,7 @@ def _args(argv: list[str]):  # noqa: ANN202
 
 
 def _rank_main(ctx, argv: list[str]):  # noqa: ANN001, ANN202 - run_ranks entry
-    from megatron_hybridep.megatron import cpu_loop
+    from megatron_hybridep.train import cpu_loop
 
     args = _args(argv)
     try:
@@ -59,10 +59,10 @@ def _launched_rank(argv: list[str]) -> int:
                           LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
     args = _args(argv)
     if torch.cuda.is_available():
-        from megatron_hybridep.megatron.gpu_pretrain import pretrain
+        from megatron_hybridep.train.gpu_pretrain import pretrain
 
         return pretrain(args)
-    from megatron_hybridep.megatron import cpu_loop
+    from megatron_hybridep.train import cpu_loop
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     # No local launcher to watch progress: torch.distributed's own collective timeout, from the same flag.
@@ -108,7 +108,7 @@ def preflight(args, world: int) -> None:  # noqa: ANN001
     import io
     import logging
 
-    from megatron_hybridep.megatron import cpu_loop
+    from megatron_hybridep.train import cpu_loop
 
     trial = copy.deepcopy(args)
     trial.world_size, trial.rank = world, 0
@@ -117,7 +117,7 @@ def preflight(args, world: int) -> None:  # noqa: ANN001
     try:
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cpu_loop._plan_job(trial, world)
+            cpu_loop.plan_job(trial, world)
             from megatron.training.arguments import validate_args
             from megatron.training.global_vars import set_args
             from megatron.training.training import get_optimizer_param_scheduler
@@ -199,7 +199,7 @@ def _first_error(failure) -> str:  # noqa: ANN001
 def main(argv: list[str]) -> int:
     if "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ:
         return _launched_rank(argv)
-    from megatron_hybridep.runtime.launch import RankFailure, StallRule, run_ranks
+    from megatron_hybridep.train.launch import RankFailure, StallRule, run_ranks
 
     args = None
     try:
@@ -226,7 +226,7 @@ def main(argv: list[str]) -> int:
         print(f"pretrain_moe.py: error: {_first_error(e)} (every rank's report: {report})", file=sys.stderr)
         return 1
     s = summaries[0]
-    from megatron_hybridep.megatron.data import corpus, source
+    from megatron_hybridep.train.data import corpus, source
 
     print("\n[pretrain_moe] summary")
     print(f"  plan               {s.plan}")

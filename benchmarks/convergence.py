@@ -22,7 +22,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megatron_hybridep.runtime.launch import run_ranks  # noqa: E402
+from megatron_hybridep.train.launch import run_ranks  # noqa: E402
 
 
 def upcycle(model, seed: int, noise: float) -> None:
@@ -48,9 +48,9 @@ def train(ctx, system: str, steps: int, ratio: float, grad_ratio: float, refresh
           vocab: int, order: int, init: str):
     from megatron_hybridep.data.synthetic import MarkovCorpus
     from megatron_hybridep.megatron import cpu_runtime, setup, teardown
-    from megatron_hybridep.megatron.gpt import GPTMoEArgs, build, initialize_parallel, train_step
     from megatron_hybridep.plan.plan import Plan
     from megatron_hybridep.runtime.migration import MigrationConfig
+    from megatron_hybridep.train.gpt import GPTMoEArgs, build, initialize_parallel, train_step
 
     cpu_runtime.enable()
     args = GPTMoEArgs(expert_model_parallel_size=ctx.world_size, seed=seed, vocab_size=vocab,

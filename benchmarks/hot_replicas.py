@@ -9,7 +9,7 @@ bench` does). The GPT-MoE of `hybridep bench` (2 layers, hidden 64, 8 experts, t
 expert size) with aux-loss-free routing (sigmoid scores, Megatron's expert bias held fixed): experts
 in --hot-experts get a bias of --hot-bias, so most tokens pick them. Each rank:
 1. runs alltoall EP a few steps and all-reduces the per-expert routing counts it measured, and the
-   compute timings (bench_worker.PhaseTimer) that the planner's Workload needs;
+   compute timings (bench/worker.PhaseTimer) that the planner's Workload needs;
 2. plans with those counts (plan.planner.choose_plan: equal-size domains + hot-replica variants);
 3. per repeat: alltoall EP, then one hybridep model switching through every equal-size domain plan
    and the best hot-replica plan: warm-up + timed iterations each. A step's time is its slowest
@@ -60,7 +60,7 @@ def _skew(spec: dict, state) -> None:  # noqa: ANN001
 
 
 def _args(spec: dict, dispatcher: str):  # noqa: ANN201
-    from megatron_hybridep.megatron.gpt import GPTMoEArgs
+    from megatron_hybridep.train.gpt import GPTMoEArgs
 
     skew = {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
             "moe_router_bias_update_rate": 0.0}
@@ -73,8 +73,8 @@ def _run(spec: dict, state, batches, iters: int) -> tuple[list[float], float]:  
     import torch
     import torch.distributed as dist
 
-    from megatron_hybridep.megatron.gpt import train_step
-    from megatron_hybridep.testbed.bench_worker import wan_counters
+    from megatron_hybridep.bench.worker import wan_counters
+    from megatron_hybridep.train.gpt import train_step
 
     for tokens, labels in batches[: spec["warmup"]]:
         train_step(state, tokens, labels)
@@ -96,8 +96,8 @@ def _run(spec: dict, state, batches, iters: int) -> tuple[list[float], float]:  
 
 
 def _plan(spec: dict, counts, timer):  # noqa: ANN001, ANN201
+    from megatron_hybridep.bench import predict as bp
     from megatron_hybridep.plan.planner import choose_plan
-    from megatron_hybridep.testbed import bench_predict as bp
     from megatron_hybridep.testbed.selfcheck import TCP_GOODPUT_FRACTION
 
     shape = bp.ModelShape(**{k: v for k, v in spec["model"].items() if k != "seq_length"})
@@ -112,12 +112,12 @@ def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    from megatron_hybridep.bench.worker import PhaseTimer
     from megatron_hybridep.data.synthetic import MarkovCorpus
     from megatron_hybridep.megatron import cpu_runtime, setup, teardown
     from megatron_hybridep.megatron.dispatcher import instrument
-    from megatron_hybridep.megatron.gpt import build, initialize_parallel
     from megatron_hybridep.runtime.instrument import Stats
-    from megatron_hybridep.testbed.bench_worker import PhaseTimer
+    from megatron_hybridep.train.gpt import build, initialize_parallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=spec["timeout"]))

@@ -7,7 +7,7 @@
 2 DCs x 2 ranks train pretrain_moe.py's GPT-MoE (its CPU loop, Megatron's pieces, the real
 scheduler wiring of --hybridep-replan-interval) on the testbed. The WAN starts at --rate-high and
 drops to --rate-low after iteration --change-at: rank 0 asks the controller over a control socket
-(testbed/bench_control) at the end of that iteration and waits for its answer, which comes once
+(bench/control) at the end of that iteration and waits for its answer, which comes once
 `Testbed.set_rate` has changed both uplinks, so the change lands exactly between two iterations (no
 sleeps). Runs, each a fresh launch with the same seed and data:
   adaptive  --hybridep-plan auto (the planner's plan for the high rate) + --hybridep-replan-interval
@@ -95,7 +95,7 @@ def train_argv(cfg: DemoConfig) -> list[str]:
 
 def testbed_topology(cfg: DemoConfig, mbit: float) -> Any:
     """What the planner is told about the testbed at `mbit` (TCP goodput of the shaped rate)."""
-    from megatron_hybridep.testbed.bench_predict import testbed_topology as topo
+    from megatron_hybridep.bench.predict import testbed_topology as topo
     from megatron_hybridep.testbed.selfcheck import TCP_GOODPUT_FRACTION
 
     intra = cfg.intra_mbit or (cfg.fabric / 2 if cfg.fabric else 1000.0)
@@ -105,8 +105,8 @@ def testbed_topology(cfg: DemoConfig, mbit: float) -> Any:
 def planned(cfg: DemoConfig, mbit: float) -> Any:
     """The planner's HybridEP plan for the job's workload on the testbed at `mbit`."""
     from megatron_hybridep.megatron.arguments import parse
-    from megatron_hybridep.megatron.planning import workload_for
     from megatron_hybridep.plan.planner import choose_plan
+    from megatron_hybridep.train.planning import workload_for
 
     result = choose_plan(testbed_topology(cfg, mbit), workload_for(parse(train_argv(cfg))), 4)
     return next(c.plan for c in result.candidates if c.plan.kind == "domains")
@@ -127,10 +127,10 @@ def worker(spec_path: str) -> int:
     import torch
     import torch.distributed as dist
 
-    from megatron_hybridep.megatron import cpu_loop
+    from megatron_hybridep.bench.control import CONTROL_ENV, ControlClient
     from megatron_hybridep.megatron.arguments import parse
     from megatron_hybridep.runtime.context import get_runtime
-    from megatron_hybridep.testbed.bench_control import CONTROL_ENV, ControlClient
+    from megatron_hybridep.train import cpu_loop
 
     spec = json.loads(Path(spec_path).read_text())
     if spec.get("pin"):  # one core per rank pair, fixed: the OS otherwise places 4 ranks on 2 cores anew per launch
@@ -179,7 +179,7 @@ def set_rate(tb: Any, mbit: float) -> None:
 
 def run_once(tb: Any, cfg: DemoConfig, kind: str, plans: dict[str, Any], tmp: str, log_dir: Path) -> dict[str, Any]:
     """One launch of the 4 ranks; returns rank 0's result."""
-    from megatron_hybridep.testbed.bench_control import CONTROL_ENV, ControlServer
+    from megatron_hybridep.bench.control import CONTROL_ENV, ControlServer
 
     argv = train_argv(cfg)
     topo_path = os.path.join(tmp, "topology.yaml")

@@ -33,7 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from megatron_hybridep.plan.phases import Phase  # noqa: E402
-from megatron_hybridep.runtime.launch import run_ranks  # noqa: E402
+from megatron_hybridep.train.launch import run_ranks  # noqa: E402
 
 PRESET = os.path.join(REPO, "configs", "presets", "cpu_demo.yaml")
 
@@ -41,10 +41,10 @@ PRESET = os.path.join(REPO, "configs", "presets", "cpu_demo.yaml")
 def rank(ctx: Any, argv: list[str]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from megatron_hybridep.megatron import cpu_loop
     from megatron_hybridep.megatron.arguments import parse
     from megatron_hybridep.runtime import scheduler
     from megatron_hybridep.runtime.instrument import Stats
+    from megatron_hybridep.train import cpu_loop
 
     t = {"measure_sync": 0.0, "decision": 0.0, "idle": 0.0, "decisions": 0}
     calls = {"add": 0, "add_routing": 0}

@@ -15,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_hybridep.runtime.launch import run_ranks  # noqa: E402
+from megatron_hybridep.train.launch import run_ranks  # noqa: E402
 
 PLANS = {"alltoall": None, "hybridep S=1 (ep)": ((4,), (1,)), "hybridep dc2 gpu1": ((2, 2), (2, 1)),
          "hybridep S=4": ((4,), (4,))}
@@ -24,8 +24,8 @@ PLANS = {"alltoall": None, "hybridep S=1 (ep)": ((4,), (1,)), "hybridep dc2 gpu1
 def worker(ctx, name: str, steps: int, warmup: int):
     from megatron_hybridep.data.synthetic import MarkovCorpus
     from megatron_hybridep.megatron import cpu_runtime, setup, teardown
-    from megatron_hybridep.megatron.gpt import GPTMoEArgs, build, initialize_parallel, train_step
     from megatron_hybridep.plan.plan import Plan
+    from megatron_hybridep.train.gpt import GPTMoEArgs, build, initialize_parallel, train_step
 
     cpu_runtime.enable()
     args = GPTMoEArgs(expert_model_parallel_size=ctx.world_size,

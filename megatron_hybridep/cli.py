@@ -11,7 +11,7 @@ SUBCOMMANDS = {
     "plan": ("megatron_hybridep.plan.cli", "pick expert domains for a topology and model"),
     "simulate": ("megatron_hybridep.sim.cli", "simulate HybridEP vs EP at scale"),
     "testbed": ("megatron_hybridep.testbed.cli", "emulated multi-DC network (namespaces + tc)"),
-    "bench": ("megatron_hybridep.testbed.bench", "benchmark HybridEP against Megatron EP on the testbed"),
+    "bench": ("megatron_hybridep.bench.cli", "benchmark HybridEP against Megatron EP on the testbed"),
 }
 
 

@@ -127,7 +127,7 @@ def _uneven_collectives(ctx):
 
 
 def test_uneven_gather_and_reduce_scatter_on_gloo_match_their_definition():
-    from megatron_hybridep.runtime.launch import run_ranks
+    from megatron_hybridep.train.launch import run_ranks
 
     out = run_ranks(_uneven_collectives, 2, timeout=120)
     rows = [torch.arange(6, dtype=torch.float64).reshape(3, 2), torch.arange(2, dtype=torch.float64).reshape(1, 2) + 10]

@@ -1,4 +1,4 @@
-"""megatron/gpt.py train_step with M micro-batches (Megatron's schedule, grad_sync installed): HybridEP
+"""train/gpt.py train_step with M micro-batches (Megatron's schedule, grad_sync installed): HybridEP
 equals alltoall EP step for step (losses and every parameter), gathers its borrowed experts once per
 iteration whatever M, and the one-micro-batch call is the M = 1 list call."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_hybridep.plan.phases import Phase
-from megatron_hybridep.runtime.launch import run_ranks
+from megatron_hybridep.train.launch import run_ranks
 
 STEPS, MICRO = 3, 4
 PLAN = ((2, 2), (2, 1), 8, ("dc", "gpu"))  # 2 DCs x 2, domains across the DCs
@@ -15,9 +15,9 @@ PLAN = ((2, 2), (2, 1), 8, ("dc", "gpu"))  # 2 DCs x 2, domains across the DCs
 def _train_both(ctx, hold_copies):
     from megatron_hybridep.data.synthetic import MarkovCorpus
     from megatron_hybridep.megatron import cpu_runtime, setup, teardown
-    from megatron_hybridep.megatron.gpt import GPTMoEArgs, build, initialize_parallel, train_step
     from megatron_hybridep.plan.plan import Plan
     from megatron_hybridep.runtime.migration import MigrationConfig
+    from megatron_hybridep.train.gpt import GPTMoEArgs, build, initialize_parallel, train_step
 
     cpu_runtime.enable()
     corpus = MarkovCorpus()

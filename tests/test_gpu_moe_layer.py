@@ -16,8 +16,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_hybridep.runtime.launch import run_ranks
 from megatron_hybridep.testing.moe import MoESpec, global_weights, rank_input, reference_moe
+from megatron_hybridep.train.launch import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megatron_hybridep.plan.plan import Plan, PlanError
-from megatron_hybridep.runtime.launch import run_ranks
 from megatron_hybridep.testing.exactness import FP64_TOL, scaled_error
 from megatron_hybridep.testing.moe import MoESpec
+from megatron_hybridep.train.launch import run_ranks
 
 TOL = FP64_TOL
 STEPS = 4
@@ -143,7 +143,7 @@ def test_bad_replicas_fail_before_any_collective(pairs, budget, words):
 def _gpt_both(ctx, plan_dict, steps):
     from megatron_hybridep.data.synthetic import MarkovCorpus
     from megatron_hybridep.megatron import cpu_runtime, setup, teardown
-    from megatron_hybridep.megatron.gpt import GPTMoEArgs, build, initialize_parallel, train_step
+    from megatron_hybridep.train.gpt import GPTMoEArgs, build, initialize_parallel, train_step
 
     cpu_runtime.enable()
     corpus = MarkovCorpus()

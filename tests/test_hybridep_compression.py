@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_hybridep.plan.phases import Phase
-from megatron_hybridep.runtime.launch import run_ranks
 from megatron_hybridep.testing.moe import MoESpec, global_weights, rank_input
+from megatron_hybridep.train.launch import run_ranks
 
 SPEC = MoESpec(hidden=16, ffn=32, experts=4, topk=2, seq=8, batch=2)
 

@@ -4,7 +4,7 @@ before any collective starts."""
 import pytest
 
 from megatron_hybridep.plan.plan import Plan, PlanError
-from megatron_hybridep.runtime.launch import run_ranks
+from megatron_hybridep.train.launch import run_ranks
 
 
 def _setup_and_capture(ctx, plan_args, num_experts):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_hybridep.plan.phases import Phase
-from megatron_hybridep.runtime.launch import run_ranks
 from megatron_hybridep.testing.exactness import FP64_TOL, derived_tolerance, scaled_error
+from megatron_hybridep.train.launch import run_ranks
 
 STEPS = 5
 
@@ -17,8 +17,8 @@ STEPS = 5
 def _train_both(ctx, plan_args):
     from megatron_hybridep.data.synthetic import MarkovCorpus
     from megatron_hybridep.megatron import cpu_runtime, setup, teardown
-    from megatron_hybridep.megatron.gpt import GPTMoEArgs, build, initialize_parallel, train_step
     from megatron_hybridep.plan.plan import Plan
+    from megatron_hybridep.train.gpt import GPTMoEArgs, build, initialize_parallel, train_step
 
     cpu_runtime.enable()
     corpus = MarkovCorpus()

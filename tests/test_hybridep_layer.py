@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from megatron_hybridep.plan.phases import Phase
-from megatron_hybridep.runtime.launch import run_ranks
 from megatron_hybridep.testing.exactness import FP64_TOL, scaled_error
 from megatron_hybridep.testing.moe import MoESpec, rank_input
+from megatron_hybridep.train.launch import run_ranks
 
 TOL = FP64_TOL
 STEPS = 5

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from megatron_hybridep.runtime.launch import RankFailure, run_ranks
+from megatron_hybridep.train.launch import RankFailure, run_ranks
 
 
 def _record_pid(ctx, pid_dir):
@@ -84,7 +84,7 @@ def _stall_rank_one(ctx, pid_dir, iterations):
     import torch
     import torch.distributed as dist
 
-    from megatron_hybridep.runtime.launch import progress
+    from megatron_hybridep.train.launch import progress
 
     _record_pid(ctx, pid_dir)
     for it in range(iterations):
@@ -97,7 +97,7 @@ def _stall_rank_one(ctx, pid_dir, iterations):
 
 
 def test_stalled_rank_is_named_and_everything_stops(tmp_path):
-    from megatron_hybridep.runtime.launch import StallFailure, StallRule
+    from megatron_hybridep.train.launch import StallFailure, StallRule
 
     start = time.monotonic()
     with pytest.raises(StallFailure) as info:
@@ -112,7 +112,7 @@ def test_stalled_rank_is_named_and_everything_stops(tmp_path):
 
 
 def test_stall_rule_defaults_scale_with_step_time():
-    from megatron_hybridep.runtime.launch import StallRule
+    from megatron_hybridep.train.launch import StallRule
 
     rule = StallRule()
     assert rule.seconds() == 60.0  # floor: never shorter than a minute by default
@@ -125,7 +125,7 @@ def _slow_but_alive(ctx, pid_dir):
     import torch
     import torch.distributed as dist
 
-    from megatron_hybridep.runtime.launch import progress
+    from megatron_hybridep.train.launch import progress
 
     _record_pid(ctx, pid_dir)
     for it in range(3):
@@ -137,7 +137,7 @@ def _slow_but_alive(ctx, pid_dir):
 
 
 def test_slow_steps_do_not_trip_the_derived_stall_timeout(tmp_path):
-    from megatron_hybridep.runtime.launch import StallRule
+    from megatron_hybridep.train.launch import StallRule
 
     # floor 1 s would trip on a 2.5 s step, but 10 x the measured median (25 s) does not
     rule = StallRule(floor=1.0)

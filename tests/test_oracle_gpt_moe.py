@@ -5,7 +5,7 @@ Float64, as the exactness tests that build on this oracle run it."""
 import pytest
 import torch
 
-from megatron_hybridep.runtime.launch import run_ranks
+from megatron_hybridep.train.launch import run_ranks
 
 
 def _train(ctx, steps):
@@ -13,7 +13,7 @@ def _train(ctx, steps):
 
     from megatron_hybridep.data.synthetic import MarkovCorpus
     from megatron_hybridep.megatron import cpu_runtime
-    from megatron_hybridep.megatron.gpt import GPTMoEArgs, build, initialize_parallel, train_step
+    from megatron_hybridep.train.gpt import GPTMoEArgs, build, initialize_parallel, train_step
 
     cpu_runtime.enable()
     args = GPTMoEArgs(expert_model_parallel_size=ctx.world_size, params_dtype=torch.float64)

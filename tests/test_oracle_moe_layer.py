@@ -5,9 +5,9 @@ gradients and every expert gradient, in float64 (see TOL)."""
 import pytest
 import torch
 
-from megatron_hybridep.runtime.launch import run_ranks
 from megatron_hybridep.testing.exactness import FP64_TOL, scaled_error
 from megatron_hybridep.testing.moe import MoESpec, global_weights, rank_input, reference_moe
+from megatron_hybridep.train.launch import run_ranks
 
 TOL = FP64_TOL
 CASES = [MoESpec(topk=k, aux_loss_coeff=aux, dtype=torch.float64) for k in (1, 2) for aux in (0.0, 1e-2)]

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from megatron_hybridep.megatron.arguments import parse
-from megatron_hybridep.megatron.planning import choose, topology_for
 from megatron_hybridep.plan.plan import PlanError
+from megatron_hybridep.train.planning import choose, topology_for
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "scripts" / "slurm" / "pretrain_moe.sbatch"

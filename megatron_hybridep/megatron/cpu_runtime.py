@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from megatron_hybridep.runtime.logs import warn_once
+
 log = logging.getLogger(__name__)
 
 CHECKED_AGAINST = "0.19.2"
@@ -563,7 +565,7 @@ def enable(force: bool = False) -> bool:
             try:
                 module = importlib.import_module(name)
             except ImportError as exc:  # optional module in this megatron-core version
-                log.warning("cpu_runtime: %s not importable (%s); its CUDA paths stay unpatched", name, exc)
+                warn_once(log, "cpu_runtime: %s not importable (%s); its CUDA paths stay unpatched", name, exc)
                 continue
             _saved.append((module, "torch", module.torch))
             module.torch = shim

@@ -17,6 +17,7 @@ micro-batch, so installing it is harmless. Checked against megatron-core 0.19.2 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,3 +93,19 @@ def install(config: Any, model_chunks: Sequence[Any], runtime: Any) -> None:
         config.no_sync_func = _wrap_no_sync(current, runtime)
     if not getattr(config.finalize_model_grads_func, "_hybridep", False):
         config.finalize_model_grads_func = _wrap_finalize(config.finalize_model_grads_func, runtime)
+
+
+def time_megatron_finalize(config: Any, on_seconds: Callable[[float], None]) -> None:
+    """Time Megatron's own finalize_model_grads (dense and expert-data-parallel all-reduces) as the
+    schedule calls it, for the bench's per-phase timings: call before ``install``, which wraps it
+    (hybridep's owed borrowed-gradient returns then run outside the timed part)."""
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return finalize_model_grads(*args, **kwargs)
+        finally:
+            on_seconds(time.perf_counter() - t0)
+
+    config.finalize_model_grads_func = timed

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
 from megatron_hybridep.plan.cost import bytes_human, seconds_human
 from megatron_hybridep.plan.errors import PlanError
@@ -18,7 +17,8 @@ from megatron_hybridep.plan.planner import (
     choose_plan_all_ep_sizes,
 )
 from megatron_hybridep.plan.topology import Topology
-from megatron_hybridep.plan.workload import BORROWED_COPIES, Workload, load_routing_counts, zipf_routing
+from megatron_hybridep.plan.workload import Workload
+from megatron_hybridep.plan.workload_args import add_workload_arguments, with_skew, workload_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,37 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--slurm", metavar="DCMAP",
                        help="build the topology from this SLURM allocation: DCMAP maps host patterns to DCs "
                             "(YAML with datacenters/levels, or text lines 'PATTERN DC')")
-    what = parser.add_argument_group("what the model sends")
-    what.add_argument("--model", required=True, metavar="M.yaml", help="model YAML (configs/models/)")
-    what.add_argument("--tokens-per-rank", type=int, metavar="N", help="tokens per rank per micro-batch")
-    what.add_argument("--micro-batches", type=int, metavar="N", help="gradient-accumulation steps per iteration")
-    what.add_argument("--top-k", type=int, metavar="K", help="experts per token")
-    what.add_argument("--compression-ratio", type=float, metavar="R",
-                      help="ship experts as shared + top-k residual keeping 1/R of the values (indices counted)")
-    what.add_argument("--grad-compression-ratio", type=float, metavar="R",
-                      help="the same for the gradients returned to expert owners")
-    what.add_argument("--expert-bytes", type=float, metavar="BYTES",
-                      help="bytes per shipped expert measured from a codec (overrides --compression-ratio)")
-    what.add_argument("--shared-sync-bytes", type=float, metavar="BYTES",
-                      help="bytes per MoE layer per iteration all-reduced over the EP group to refresh the "
-                           "shared expert (the codec's SharedExpertRule.sync_bytes_per_step; default 0: frozen)")
-    what.add_argument("--t-pre-ms", type=float, metavar="MS",
-                      help="measured compute before the experts per MoE layer (forward), instead of the estimate")
-    what.add_argument("--throughput-tflops", type=float, metavar="TF", help="achieved TFLOP/s per rank")
-    what.add_argument("--borrowed-copies", choices=BORROWED_COPIES, metavar="MODE",
-                      help="auto (default): keep borrowed expert copies for the iteration when they fit the "
-                           "memory, else re-gather per micro-batch; iteration / microbatch force one (the "
-                           "runtime's --hybridep-borrowed-copies)")
-    what.add_argument("--pipeline-model-parallel-size", type=int, metavar="PP",
-                      help="pipeline stages: a stage holds 1/PP of the layers and world/PP ranks")
-    what.add_argument("--tensor-model-parallel-size", type=int, metavar="TP",
-                      help="tensor parallelism: divides dense and expert parameters")
-    what.add_argument("--distributed-optimizer", action="store_true", default=None,
-                      help="shard optimizer state over the (expert) data-parallel group (Megatron's)")
-    what.add_argument("--routing-counts", metavar="FILE",
-                      help="tokens from each EP rank to each expert (.npy or .csv, shape (ep_size, experts))")
-    what.add_argument("--skew", type=float, metavar="ALPHA",
-                      help="synthetic Zipf(ALPHA) expert popularity instead of balanced routing")
+    add_workload_arguments(parser, parallelism=True)
     how = parser.add_argument_group("search and output")
     how.add_argument("--ep-size", default=None, metavar="G|all",
                      help="EP group size (default: the largest that fits the levels and the experts); "
@@ -99,28 +69,8 @@ def _topology(args: argparse.Namespace) -> Topology:
 
 
 def _workload(args: argparse.Namespace, ep_size: int | None, topology: Topology) -> Workload:
-    w = Workload.from_yaml(args.model)
-    changes: dict[str, Any] = {}
-    for flag, fld in (("tokens_per_rank", "tokens_per_rank"), ("micro_batches", "micro_batches"),
-                      ("top_k", "top_k"), ("compression_ratio", "compression_ratio"),
-                      ("grad_compression_ratio", "grad_compression_ratio"),
-                      ("expert_bytes", "compressed_expert_bytes"), ("t_pre_ms", "t_pre_ms"),
-                      ("shared_sync_bytes", "shared_sync_bytes_per_layer"),
-                      ("throughput_tflops", "throughput_tflops"), ("borrowed_copies", "borrowed_copies"),
-                      ("pipeline_model_parallel_size", "pipeline_model_parallel_size"),
-                      ("tensor_model_parallel_size", "tensor_model_parallel_size"),
-                      ("distributed_optimizer", "distributed_optimizer")):
-        if getattr(args, flag) is not None:
-            changes[fld] = getattr(args, flag)
-    if args.routing_counts and args.skew is not None:
-        raise PlanError("--skew: cannot be combined with --routing-counts; fix: pass one of them")
-    if args.routing_counts:
-        changes["routing_counts"] = load_routing_counts(args.routing_counts)
-    w = w.replace(**changes) if changes else w
-    if args.skew is not None:
-        G = ep_size or topology.default_ep_size(w.num_experts)
-        w = w.replace(routing_counts=zipf_routing(G, w.num_experts, w.tokens, w.top_k, args.skew))
-    return w
+    w = workload_from_args(args)
+    return with_skew(w, ep_size or topology.default_ep_size(w.num_experts), args.skew) if args.skew is not None else w
 
 
 def _parse_ep(value: str | None) -> int | str | None:

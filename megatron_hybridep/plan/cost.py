@@ -177,16 +177,7 @@ class CostModel:
         return self._layouts[ep_size]
 
     def _layout_for(self, plan: Plan) -> EPLayout:
-        lay = self.layout(plan.ep_size)
-        if plan.level_counts != lay.counts:
-            levels = dict(zip(lay.names, lay.counts, strict=True))
-            raise PlanError(f"plan.level_counts: {plan.level_counts} but an EP group of {plan.ep_size} ranks in "
-                            f"{self.topology.describe()} has levels {levels}; fix: make the plan for this "
-                            "topology (hybridep plan)")
-        if plan.num_experts != self.workload.num_experts:
-            raise PlanError(f"plan.num_experts: {plan.num_experts} but the model has {self.workload.num_experts}; "
-                            "fix: make the plan for this model")
-        return lay
+        return check_plan(self.topology, self.workload, plan, self.layout(plan.ep_size))
 
     # ---- the pieces ------------------------------------------------------------------------------------
     def token_a2a(self, plan: Plan, lay: EPLayout) -> tuple[list[PhaseCost], list[float]]:
@@ -377,3 +368,16 @@ def seconds_human(t: float) -> str:
         return f"{t * 1e3:.3g} ms"
     return f"{t * 1e6:.3g} us"
 
+
+def check_plan(topology: Topology, workload: Workload, plan: Plan, layout: EPLayout | None = None) -> EPLayout:
+    """The plan's EP layout in this topology, or a PlanError naming the field that does not match."""
+    lay = layout or topology.ep_layout(plan.ep_size)
+    if plan.level_counts != lay.counts:
+        levels = dict(zip(lay.names, lay.counts, strict=True))
+        raise PlanError(f"plan.level_counts: {plan.level_counts} but an EP group of {plan.ep_size} ranks in "
+                        f"{topology.describe()} has levels {levels}; fix: make the plan for this topology "
+                        "(hybridep plan) or pass --plan ep|replicated|S,S")
+    if plan.num_experts != workload.num_experts:
+        raise PlanError(f"plan.num_experts: {plan.num_experts} but the model has {workload.num_experts}; "
+                        "fix: make the plan for this model")
+    return lay

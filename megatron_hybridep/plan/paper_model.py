@@ -1,4 +1,4 @@
-"""Tier (a): the paper's stream model, exactly as published (PAPER.md section 3).
+"""Tier (a): the paper's stream model as published (HybridEP, arXiv 2510.19470, section III).
 
 Per MoE layer, forward, at one level with G ranks, link bandwidth B, dispatched bytes D per rank,
 expert bytes P per rank and compute T_pre before the experts, with p the fraction of token traffic

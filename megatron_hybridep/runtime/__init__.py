@@ -8,5 +8,5 @@ torch.distributed. Nothing here imports Megatron; megatron/ wires it into Megatr
 - compression.py: the expert codec (weight_codec.py, shared_expert.py, error_feedback.py; its wire
   format is plan/wire.py)
 - scheduler.py: re-plans while training from what instrument.py measures (plan/phases.py names)
-- numerics.py: finite-value checks; launch.py: N local ranks; logs.py: warnings once
+- numerics.py: finite-value checks; logs.py: warnings once
 """

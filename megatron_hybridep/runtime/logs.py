@@ -1,7 +1,7 @@
 """Logs a person can read: a warning every rank would raise the same way is logged once (rank 0),
 and the known-harmless warnings of a CPU run (no TransformerEngine/Apex by design, Megatron's own
 deprecated calls) are filtered in every rank process. Importing this module installs the filters:
-runtime/launch.py preloads it in its fork server, which imports Megatron before any rank starts."""
+train/launch.py preloads it in its fork server, which imports Megatron before any rank starts."""
 
 from __future__ import annotations
 

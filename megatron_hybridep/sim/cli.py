@@ -25,7 +25,8 @@ from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.hot import evaluate as evaluate_plan
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import Topology
-from megatron_hybridep.plan.workload import Workload, load_routing_counts, zipf_routing
+from megatron_hybridep.plan.workload import Workload
+from megatron_hybridep.plan.workload_args import add_workload_arguments, with_skew, workload_from_args
 from megatron_hybridep.sim.schedule import GATHER_MODES, PHASES, SCHEDULES, SimOptions
 from megatron_hybridep.sim.simulate import SimResult, simulate
 
@@ -43,22 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--wan-gbps", type=float, metavar="G",
                        help="replace the coarsest level's bandwidth and uplink (Gbit/s)")
     where.add_argument("--wan-latency-us", type=float, metavar="US", help="replace the coarsest level's latency")
-    what = parser.add_argument_group("what the model sends")
-    what.add_argument("--model", metavar="M.yaml", help="model YAML (configs/models/)")
-    what.add_argument("--tokens-per-rank", type=int, metavar="N", help="tokens per rank per micro-batch")
-    what.add_argument("--micro-batches", type=int, metavar="N", help="gradient-accumulation steps per iteration")
-    what.add_argument("--top-k", type=int, metavar="K", help="experts per token")
-    what.add_argument("--compression-ratio", type=float, metavar="R",
-                      help="ship experts as shared + top-k residual keeping 1/R of the values (indices counted)")
-    what.add_argument("--grad-compression-ratio", type=float, metavar="R", help="the same for returned gradients")
-    what.add_argument("--expert-bytes", type=float, metavar="BYTES", help="bytes per shipped expert (a codec's)")
-    what.add_argument("--grad-bytes", type=float, metavar="BYTES", help="bytes per returned expert gradient")
-    what.add_argument("--shared-sync-bytes", type=float, metavar="BYTES",
-                      help="bytes per MoE layer all-reduced over the EP group to refresh the shared expert")
-    what.add_argument("--t-pre-ms", type=float, metavar="MS", help="measured compute before the experts per layer")
-    what.add_argument("--throughput-tflops", type=float, metavar="TF", help="achieved TFLOP/s per rank")
-    what.add_argument("--routing-counts", metavar="FILE", help="tokens rank -> expert (.npy/.csv, (ep_size, E))")
-    what.add_argument("--skew", type=float, metavar="ALPHA", help="synthetic Zipf(ALPHA) expert popularity")
+    add_workload_arguments(parser, grad_bytes=True)
     how = parser.add_argument_group("plan and schedule")
     how.add_argument("--plan", default="auto", metavar="P",
                      help="auto (planner's choice, default), ep, replicated, paper (closed-form p*), "
@@ -119,26 +105,6 @@ def _topology(args: argparse.Namespace) -> Topology:
     return topo
 
 
-def _workload(args: argparse.Namespace) -> Workload:
-    if not args.model:
-        raise PlanError("--model: required; fix: e.g. --model configs/models/paper-l.yaml")
-    w = Workload.from_yaml(args.model)
-    changes: dict[str, Any] = {}
-    for flag, fld in (("tokens_per_rank", "tokens_per_rank"), ("micro_batches", "micro_batches"),
-                      ("top_k", "top_k"), ("compression_ratio", "compression_ratio"),
-                      ("grad_compression_ratio", "grad_compression_ratio"),
-                      ("expert_bytes", "compressed_expert_bytes"), ("grad_bytes", "compressed_grad_bytes"),
-                      ("t_pre_ms", "t_pre_ms"), ("shared_sync_bytes", "shared_sync_bytes_per_layer"),
-                      ("throughput_tflops", "throughput_tflops")):
-        if getattr(args, flag) is not None:
-            changes[fld] = getattr(args, flag)
-    if args.routing_counts and args.skew is not None:
-        raise PlanError("--skew: cannot be combined with --routing-counts; fix: pass one of them")
-    if args.routing_counts:
-        changes["routing_counts"] = load_routing_counts(args.routing_counts)
-    return w.replace(**changes) if changes else w
-
-
 def _options(args: argparse.Namespace) -> SimOptions:
     return SimOptions(schedule=args.schedule, gather=args.gather, backward=not args.forward_only,
                       dense_grad_bytes=args.dense_grad_bytes)
@@ -181,11 +147,10 @@ def resolve_plan_arg(text: str, topo: Topology, work: Workload, ep_size: int | N
 # ---- one configuration ----------------------------------------------------------------------------------------
 def run_single(args: argparse.Namespace) -> int:
     topo = _topology(args)
-    work = _workload(args)
+    work = workload_from_args(args)
     options = _options(args)
     if args.skew is not None:
-        G = args.ep_size or topo.default_ep_size(work.num_experts)
-        work = work.replace(routing_counts=zipf_routing(G, work.num_experts, work.tokens, work.top_k, args.skew))
+        work = with_skew(work, args.ep_size or topo.default_ep_size(work.num_experts), args.skew)
     plan, how = resolve_plan_arg(args.plan, topo, work, args.ep_size, options)
     t0 = time.perf_counter()
     res = simulate(topo, work, plan, options=options)
@@ -291,7 +256,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     from megatron_hybridep.sim.sweep import SweepSpec, parse_list, parse_policy, run_sweep, write_csv
 
     topo = _topology(args)
-    work = _workload(args)
+    work = workload_from_args(args)
     if args.skew is not None or args.routing_counts:
         raise PlanError("--skew/--routing-counts: sweeps change the EP size per point; fix: sweep balanced routing "
                         "or simulate one configuration")

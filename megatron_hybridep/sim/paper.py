@@ -1,6 +1,6 @@
 """The paper's large-scale experiments (HybridEP vs EP at up to 1000 DCs), as we read them.
 
-The paper (section 5 of /work/shared/PAPER.md) reports, from simulation at 1000 DCs, speed-ups over
+The paper (HybridEP, arXiv 2510.19470, section V-G) reports, from simulation at 1000 DCs, speed-ups over
 EP of 1.05x-1.45x with a *fixed domain size* and 1.31x-3.76x with a *fixed p*, "under different
 bandwidths", without stating the domain size, p, model or traffic. Our reading:
 

@@ -31,8 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_hybridep.plan.cost import CostModel
-from megatron_hybridep.plan.errors import PlanError
+from megatron_hybridep.plan.cost import CostModel, check_plan
 from megatron_hybridep.plan.hot import REPLICA_PHASES
 from megatron_hybridep.plan.network import (
     Family,
@@ -255,19 +254,6 @@ def resolve_plan(topology: Topology, workload: Workload, plan: Plan | None, ep_s
     from megatron_hybridep.plan.planner import choose_plan
 
     return choose_plan(topology, workload, ep_size).best
-
-
-def check_plan(topology: Topology, workload: Workload, plan: Plan) -> EPLayout:
-    lay = topology.ep_layout(plan.ep_size)
-    if plan.level_counts != lay.counts:
-        levels = dict(zip(lay.names, lay.counts, strict=True))
-        raise PlanError(f"plan.level_counts: {plan.level_counts} but an EP group of {plan.ep_size} ranks in "
-                        f"{topology.describe()} has levels {levels}; fix: make the plan for this topology "
-                        "(hybridep plan) or pass --plan ep|replicated|S,S")
-    if plan.num_experts != workload.num_experts:
-        raise PlanError(f"plan.num_experts: {plan.num_experts} but the model has {workload.num_experts}; "
-                        "fix: make the plan for this model")
-    return lay
 
 
 def simulate(topology: Topology, workload: Workload, plan: Plan | None = None, *, ep_size: int | None = None,

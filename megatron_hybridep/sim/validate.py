@@ -2,7 +2,7 @@
 
 Two CSV layouts are read.
 
-1. `hybridep bench` output (megatron_hybridep/testbed/bench.py): ``bench.csv`` with one row per
+1. `hybridep bench` output (megatron_hybridep/bench/cli.py): ``bench.csv`` with one row per
    system and point (system, plan, tokens, micro_batch, seq, median_s, unshaped_s, ...) and
    ``summary.json`` beside it (command with --dcs/--ranks-per-dc, rate_mbit, goodput_mbit, model,
    probe.unshaped_wan_mbit / probe.intra_mbit). The bench measures every system twice: WAN shaped
@@ -32,7 +32,7 @@ Two CSV layouts are read.
             domain_sizes "2x1" per plan level (hybridep; else parsed from the plan label [plan]);
             intra_gbps (20) and intra_latency_us (10): ranks of one DC (loopback, unshaped);
             bytes_per_element (4, fp32 on CPU); micro_batches (1);
-            t_pre_s, expert_fwd_s, expert_rows: measured per step (bench_worker's PhaseTimer, summed
+            t_pre_s, expert_fwd_s, expert_rows: measured per step (bench/worker's PhaseTimer, summed
             over layers, mean over ranks): the simulator then uses the measured compute instead of
             an estimate from throughput_tflops (default 0.05 TFLOP/s, a CPU core);
             dense_params: dense parameters all-reduced (fp32) over all ranks after the backward;
@@ -98,6 +98,7 @@ class BenchPoint:
     unshaped: float | None = None            # measured step time without WAN shaping
     unshaped_topology: Topology | None = None
     a2a_efficiency: float = 1.0              # share of the WAN rate the token all-to-all gets (measured)
+    steady_efficiency: float = 1.0           # the same for all-to-alls of >= STEADY_S (pooled probes)
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,9 @@ def _bench_points(rows: list[dict[str, str]], path: str, summary_path: str) -> l
     unshaped = bench_topology(dcs, rpd, float(probe.get("unshaped_wan_mbit", 1e4)) / 1e3, 0.0, intra, 0.0)
     layers = int(model["num_layers"])
     dense = float(summary.get("dense_params") or dense_params_estimate(model)) * 4  # fp32 grad buffers
+    copies = argv[argv.index("--borrowed-copies") + 1] if "--borrowed-copies" in argv else "auto"
+    steady = [float(v["efficiency"]) for v in probes.values() if float(v.get("ideal_s", 0.0)) >= STEADY_S]
+    steady = steady[0] if steady else 1.0
     out = []
     for i, r in enumerate(rows):
         w = f"{path}:{i + 2}"
@@ -238,7 +242,8 @@ def _bench_points(rows: list[dict[str, str]], path: str, summary_path: str) -> l
                         num_experts=int(model["num_experts"]), top_k=int(model.get("topk", 2)),
                         num_moe_layers=layers, num_layers=layers, seq_length=seq, micro_batch_size=mbs,
                         activation_bytes=4, weight_bytes=4, grad_bytes=4, throughput_tflops=0.05,
-                        name=str(model.get("name", "bench")))
+                        name=str(model.get("name", "bench")), micro_batches=int(_num(r, "micro_batches", w, 1)),
+                        borrowed_copies=copies)
         system = r["system"].lower()
         if system == "hybridep-compressed":
             work = work.replace(compression_ratio=ratio, grad_compression_ratio=ratio)
@@ -246,7 +251,7 @@ def _bench_points(rows: list[dict[str, str]], path: str, summary_path: str) -> l
         label = f"{system} {plan.label if system.startswith('hybridep') else ''} tokens={mbs * seq}"
         eff = float(probes.get(r.get("point", ""), {}).get("efficiency", 1.0))
         out.append(BenchPoint(i, system, shaped, work, plan, _num(r, "step_s", w), dense, " ".join(label.split()),
-                              _num(r, "unshaped_s", w), unshaped, eff))
+                              _num(r, "unshaped_s", w), unshaped, eff, steady))
     return out
 
 
@@ -292,6 +297,7 @@ def _point(r: dict[str, str], where: str, i: int) -> BenchPoint:
 
 
 METHODS = ("calibrated", "difference")
+STEADY_S = 0.05  # as the bench's prediction: all-to-alls this long get the pooled (steady-state) share
 
 
 def calibrate(p: BenchPoint, options: SimOptions) -> Workload:
@@ -331,8 +337,16 @@ def compare(points: Sequence[BenchPoint], options: SimOptions | None = None,
         if p.a2a_efficiency != 1.0 and rails_cross_dcs(p.plan):
             a2a = shaped.phases[Phase.TOKEN_A2A_FWD] + shaped.phases[Phase.TOKEN_A2A_BWD]
             extra = (1 / p.a2a_efficiency - 1) * a2a
+        ret = shaped.phases.get(Phase.GRAD_RETURN, 0.0)
+        if p.steady_efficiency != 1.0 and domains_cross_dcs(p.plan) and ret >= STEADY_S:
+            extra += (1 / p.steady_efficiency - 1) * ret  # on gloo the return is an all-to-all too
         out.append(Comparison(p, sim + extra, sim))
     return out
+
+
+def domains_cross_dcs(plan: Plan) -> bool:
+    """Whether the plan's domains (expert gathers, gradient returns) span DCs (level 0)."""
+    return plan.kind == "domains" and plan.domain_sizes[0] > 1
 
 
 def rails_cross_dcs(plan: Plan) -> bool:

@@ -7,7 +7,8 @@
 
 Needs root, iproute2 (ip, tc) and coreutils (timeout); netem only for delay/jitter.
 Modules: sh (commands), netns (namespaces), shaping (tc), network (Testbed), launcher,
-selfcheck, cli (`hybridep testbed`). Nothing here imports torch.
+selfcheck, cli (`hybridep testbed`). Nothing here imports torch, Megatron or the rest of the
+package (tests/test_layering.py); the benchmark that runs on it is bench/.
 """
 
 from megatron_hybridep.testbed.launcher import LaunchResult, RankGroup, RankInfo, launch, start

@@ -26,13 +26,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, Any
 
 from megatron_hybridep.testbed import netns
+from megatron_hybridep.testbed.interface import Network, RankInfo
 from megatron_hybridep.testbed.sh import TestbedError
-
-if TYPE_CHECKING:
-    from megatron_hybridep.testbed.network import Testbed
 
 KILL_GRACE_S = 3.0  # SIGTERM -> SIGKILL
 FAIL_FAST_GRACE_S = 2.0  # after a rank fails, how long the others may take to notice and exit
@@ -40,21 +38,7 @@ WRAPPER_SLACK_S = 30.0  # the in-namespace `timeout` fires this long after the l
 MAX_OUTPUT_CHARS = 4_000_000  # per rank kept in memory (the tail); log_dir keeps everything
 
 
-@dataclass(frozen=True)
-class RankInfo:
-    """Where one rank runs and what it is told."""
-
-    rank: int
-    dc: int
-    local_rank: int
-    world_size: int
-    ranks_per_dc: int
-    netns: str
-    address: str  # the DC's address (shared by the DC's ranks)
-    interface: str  # the DC's uplink interface (GLOO_SOCKET_IFNAME)
-
-
-def rank_layout(tb: Testbed, ranks_per_dc: int) -> list[RankInfo]:
+def rank_layout(tb: Network, ranks_per_dc: int) -> list[RankInfo]:
     world = tb.dcs * ranks_per_dc
     return [
         RankInfo(dc * ranks_per_dc + local, dc, local, world, ranks_per_dc, tb.netns(dc),
@@ -119,7 +103,7 @@ class RankGroup:
 
     def __init__(
         self,
-        tb: Testbed,
+        tb: Network,
         cmd: Sequence[str] | Callable[[RankInfo], Sequence[str]],
         *,
         ranks_per_dc: int | None = None,
@@ -158,7 +142,7 @@ class RankGroup:
             self.kill()
             raise
 
-    def _spawn(self, info: RankInfo, tb: Testbed, cmd: object, env: object, cwd: object) -> None:
+    def _spawn(self, info: RankInfo, tb: Network, cmd: object, env: object, cwd: object) -> None:
         argv = [str(a) for a in (cmd(info) if callable(cmd) else cmd)]
         if not argv:
             raise TestbedError("empty command")
@@ -341,34 +325,16 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
 
 
-def start(
-    tb: Testbed,
-    cmd: Sequence[str] | Callable[[RankInfo], Sequence[str]],
-    *,
-    ranks_per_dc: int | None = None,
-    env: Mapping[str, str] | Callable[[RankInfo], Mapping[str, str]] | None = None,
-    timeout_s: float = 600.0,
-    stream: IO[str] | None = None,
-    log_dir: str | Path | None = None,
-    cwd: str | Path | None = None,
-    fail_fast: bool = True,
-) -> RankGroup:
-    """Start ranks_per_dc ranks (default: the testbed's) in every DC and return at once.
-
-    cmd/env may be callables of RankInfo for per-rank arguments. `env` is added on top of this
-    process's environment and the torch.distributed variables (it may override them).
-    """
-    return RankGroup(tb, cmd, ranks_per_dc=ranks_per_dc, env=env, timeout_s=timeout_s,
-                     stream=stream, log_dir=log_dir, cwd=cwd, fail_fast=fail_fast)
+def start(tb: Network, cmd: Sequence[str] | Callable[[RankInfo], Sequence[str]], **options: Any) -> RankGroup:
+    """Start ranks_per_dc ranks (default: the testbed's) in every DC and return at once; ``options``
+    as RankGroup's. cmd/env may be callables of RankInfo for per-rank arguments. `env` is added on top
+    of this process's environment and the torch.distributed variables (it may override them)."""
+    return RankGroup(tb, cmd, **options)
 
 
-def launch(
-    tb: Testbed,
-    cmd: Sequence[str] | Callable[[RankInfo], Sequence[str]],
-    **kwargs: object,
-) -> LaunchResult:
+def launch(tb: Network, cmd: Sequence[str] | Callable[[RankInfo], Sequence[str]], **options: Any) -> LaunchResult:
     """start(...) then wait(): per-rank exit codes and output; killed on timeout/failure."""
-    return start(tb, cmd, **kwargs).wait()  # type: ignore[arg-type]
+    return start(tb, cmd, **options).wait()
 
 
 def python_cmd(script: str | Path, *args: object) -> list[str]:

@@ -29,18 +29,15 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from types import FrameType
-from typing import IO, TYPE_CHECKING
+from typing import Any
 
-from megatron_hybridep.testbed import netns, shaping
+from megatron_hybridep.testbed import launcher, netns, selfcheck, shaping
+from megatron_hybridep.testbed.launcher import LaunchResult, RankGroup, RankInfo
+from megatron_hybridep.testbed.selfcheck import SelfCheckReport
 from megatron_hybridep.testbed.sh import TestbedError, preflight, sh
-
-if TYPE_CHECKING:
-    from megatron_hybridep.testbed.launcher import LaunchResult, RankGroup, RankInfo
-    from megatron_hybridep.testbed.selfcheck import SelfCheckReport
 
 DC_DEV = "wan0"  # the DC's uplink interface inside its namespace (GLOO_SOCKET_IFNAME)
 BRIDGE = "br0"
@@ -397,53 +394,23 @@ class Testbed:
 
     # ----------------------------------------------------------------------- launch / check
     def ranks(self, ranks_per_dc: int | None = None) -> list[RankInfo]:
-        from megatron_hybridep.testbed.launcher import rank_layout
+        return launcher.rank_layout(self, ranks_per_dc or self.config.ranks_per_dc)
 
-        return rank_layout(self, ranks_per_dc or self.config.ranks_per_dc)
-
-    def start(
-        self,
-        cmd: Sequence[str] | Callable[[RankInfo], Sequence[str]],
-        *,
-        ranks_per_dc: int | None = None,
-        env: Mapping[str, str] | Callable[[RankInfo], Mapping[str, str]] | None = None,
-        timeout_s: float = 600.0,
-        stream: IO[str] | None = None,
-        log_dir: str | Path | None = None,
-        cwd: str | Path | None = None,
-        fail_fast: bool = True,
-    ) -> RankGroup:
-        """Start the ranks and return at once; see launcher.start."""
-        from megatron_hybridep.testbed.launcher import start
-
+    def start(self, cmd: Sequence[str] | Callable[[RankInfo], Sequence[str]], **options: Any) -> RankGroup:
+        """Start the ranks and return at once; ``options`` as launcher.RankGroup's (ranks_per_dc, env,
+        timeout_s, stream, log_dir, cwd, fail_fast)."""
         self._require_up()
-        return start(self, cmd, ranks_per_dc=ranks_per_dc, env=env, timeout_s=timeout_s,
-                     stream=stream, log_dir=log_dir, cwd=cwd, fail_fast=fail_fast)
+        return launcher.start(self, cmd, **options)
 
-    def launch(
-        self,
-        cmd: Sequence[str] | Callable[[RankInfo], Sequence[str]],
-        *,
-        ranks_per_dc: int | None = None,
-        env: Mapping[str, str] | Callable[[RankInfo], Mapping[str, str]] | None = None,
-        timeout_s: float = 600.0,
-        stream: IO[str] | None = None,
-        log_dir: str | Path | None = None,
-        cwd: str | Path | None = None,
-        fail_fast: bool = True,
-    ) -> LaunchResult:
-        """Run the ranks to completion (or timeout) and return exit codes and output."""
-        group = self.start(cmd, ranks_per_dc=ranks_per_dc, env=env, timeout_s=timeout_s,
-                           stream=stream, log_dir=log_dir, cwd=cwd, fail_fast=fail_fast)
-        return group.wait()
+    def launch(self, cmd: Sequence[str] | Callable[[RankInfo], Sequence[str]], **options: Any) -> LaunchResult:
+        """Run the ranks to completion (or timeout) and return exit codes and output; options as start's."""
+        return self.start(cmd, **options).wait()
 
     def selfcheck(self, *, seconds: float = 1.0, tolerance: float = 0.10,
                   intra_factor: float = 5.0, two_way_tolerance: float = 0.5) -> SelfCheckReport:
         """Measure cross-DC (one-way and two-way) and intra-DC throughput against the configured rates."""
-        from megatron_hybridep.testbed.selfcheck import selfcheck
-
         self._require_up()
-        return selfcheck(self, seconds=seconds, tolerance=tolerance, intra_factor=intra_factor,
+        return selfcheck.selfcheck(self, seconds=seconds, tolerance=tolerance, intra_factor=intra_factor,
                          two_way_tolerance=two_way_tolerance)
 
     def describe(self) -> str:

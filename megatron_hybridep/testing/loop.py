@@ -22,8 +22,8 @@ TINY = ("--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "
 
 def train(ctx: Any, argv: Sequence[str]) -> dict[str, Any]:
     """One rank of a CPU-loop run: losses per iteration, final parameters, inter-DC bytes/iter."""
-    from megatron_hybridep.megatron import cpu_loop
     from megatron_hybridep.megatron.arguments import parse
+    from megatron_hybridep.train import cpu_loop
 
     summary = cpu_loop.run(parse([*TINY, *argv], default_config=PRESET), collect_params=True)
     return {"losses": summary.losses, "params": summary.params,

@@ -11,7 +11,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _main(argv, capsys, monkeypatch):
     import pretrain_moe
-    from megatron_hybridep.runtime import launch
+    from megatron_hybridep.train import launch
 
     started = []
     monkeypatch.setattr(launch, "run_ranks", lambda *a, **k: started.append(a) or pytest.fail("ranks started"))

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from megatron_hybridep.runtime.launch import RankFailure, run_ranks
+from megatron_hybridep.train.launch import RankFailure, run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRESET = os.path.join(REPO, "configs", "presets", "cpu_demo.yaml")
@@ -13,14 +13,14 @@ COMMON = ["--train-iters", "6", "--log-interval", "100", "--lr-warmup-iters", "1
 
 
 def _train(ctx, argv):
-    from megatron_hybridep.megatron import cpu_loop
     from megatron_hybridep.megatron.arguments import parse
+    from megatron_hybridep.train import cpu_loop
 
     return cpu_loop.run(parse(argv, default_config=PRESET)).losses
 
 
 def test_rank_killed_mid_save_keeps_the_previous_checkpoint_and_resume_matches(tmp_path):
-    from megatron_hybridep.megatron.checkpoint import latest_iteration
+    from megatron_hybridep.train.checkpoint import latest_iteration
 
     full = run_ranks(_train, 4, COMMON, timeout=300)[0]
     ckpt = str(tmp_path / "ckpt")

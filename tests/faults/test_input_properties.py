@@ -109,7 +109,7 @@ def test_mutated_hybridep_flag_works_or_is_one_line_before_any_rank(flag, value)
     import io
 
     import pretrain_moe
-    from megatron_hybridep.runtime import launch
+    from megatron_hybridep.train import launch
 
     def launched(*args, **kwargs):
         raise _Launched  # valid input: the ranks would start now (none does here)

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from megatron_hybridep.runtime.launch import run_ranks
 from megatron_hybridep.runtime.numerics import NonFiniteError, check_finite, check_rows
+from megatron_hybridep.train.launch import run_ranks
 
 
 def test_finite_tensors_pass():
@@ -61,7 +61,7 @@ def _gather_with_nan(ctx, where):
     ("grad", 0, "gradient of a borrowed expert: .* MoE layer 1, local expert 0 of owner rank 1"),
 ])
 def test_migration_names_the_non_finite_borrowed_expert(where, rank, words):
-    from megatron_hybridep.runtime.launch import RankFailure
+    from megatron_hybridep.train.launch import RankFailure
 
     with pytest.raises(RankFailure) as info:
         run_ranks(_gather_with_nan, 2, where, timeout=120)

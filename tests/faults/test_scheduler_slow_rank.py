@@ -4,15 +4,15 @@ is a function of all-reduced measurements), nobody waits on a decision the other
 import os
 import threading
 
-from megatron_hybridep.runtime.launch import run_ranks
+from megatron_hybridep.train.launch import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRESET = os.path.join(REPO, "configs", "presets", "cpu_demo.yaml")
 
 
 def _run(ctx, argv):
-    from megatron_hybridep.megatron import cpu_loop
     from megatron_hybridep.megatron.arguments import parse
+    from megatron_hybridep.train import cpu_loop
 
     decisions = []
 

@@ -1,5 +1,5 @@
 """Shared pieces of the configuration matrix: a tiny model, a plan whose domains cross DCs, and
-one run of pretrain_moe's CPU loop (megatron_hybridep.megatron.cpu_loop.run with parsed args, the
+one run of pretrain_moe's CPU loop (megatron_hybridep.train.cpu_loop.run with parsed args, the
 user path) on N gloo ranks, returning every rank's losses and final parameters.
 
 Each configuration's test runs HybridEP and Megatron's alltoall EP (the oracle) with the same flags
@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from megatron_hybridep.runtime.launch import run_ranks
+from megatron_hybridep.train.launch import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRESET = os.path.join(REPO, "configs", "presets", "cpu_demo.yaml")
@@ -33,8 +33,8 @@ FP64_TOL = 1e-9
 
 
 def _run(ctx, argv: list[str]) -> tuple[list[float], dict[str, torch.Tensor]]:  # noqa: ANN001 - RankContext
-    from megatron_hybridep.megatron import cpu_loop
     from megatron_hybridep.megatron.arguments import parse
+    from megatron_hybridep.train import cpu_loop
 
     summary = cpu_loop.run(parse(argv, default_config=PRESET), collect_params=True)
     return summary.losses, {name: p.double() for name, p in summary.params.items()}

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from megatron_hybridep.megatron.checkpoint import TRACKER, latest_iteration
+from megatron_hybridep.train.checkpoint import TRACKER, latest_iteration
 from tests.matrix.harness import assert_same_training, max_differences, train, write_cross_dc_plan
 
 pytestmark = pytest.mark.matrix

@@ -16,7 +16,7 @@ from megatron_hybridep.plan.topology import Topology
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRESETS = sorted(glob.glob(os.path.join(REPO, "configs", "presets", "*.yaml")))
-CPU_TOPOLOGY = "configs/topologies/2dc_x_2.yaml"  # megatron/planning.py's built-in CPU default
+CPU_TOPOLOGY = "configs/topologies/2dc_x_2.yaml"  # train/planning.py's built-in CPU default
 
 
 def _paired(settings):

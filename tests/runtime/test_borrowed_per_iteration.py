@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megatron_hybridep.plan.phases import Phase
-from megatron_hybridep.runtime.launch import run_ranks
 from megatron_hybridep.testing.loop import compare, train
+from megatron_hybridep.train.launch import run_ranks
 
 # float64 end to end: the two runs differ only in summation order (~1e-16 relative per operation);
 # three Adam steps of lr 3e-3 turn that into parameter differences far below 1e-10

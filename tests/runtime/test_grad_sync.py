@@ -79,7 +79,7 @@ def test_owed_gradients_left_with_overlapped_reduction_are_an_error():
 
 def test_gpu_train_step_wrapper_installs_grad_sync(monkeypatch):
     training = pytest.importorskip("megatron.training.training")
-    from megatron_hybridep.megatron import gpu_pretrain
+    from megatron_hybridep.megatron import training_hooks
     from megatron_hybridep.runtime import context
 
     runtime = _Runtime()
@@ -94,7 +94,7 @@ def test_gpu_train_step_wrapper_installs_grad_sync(monkeypatch):
     monkeypatch.setattr(training, "train_step", fake_train_step)
     monkeypatch.setattr(context, "_RUNTIME", runtime)
     config = types.SimpleNamespace(no_sync_func=None, finalize_model_grads_func=None)
-    gpu_pretrain._after_each_step()
+    training_hooks.after_each_step()
     assert training.train_step(None, None, [_Chunk([])], None, None, config, None) == "ok"
     assert getattr(seen["no_sync"], "_hybridep", False)
     assert getattr(config.finalize_model_grads_func, "_hybridep", False)

@@ -36,7 +36,7 @@ def test_known_harmless_warnings_are_filtered():
 
 
 def test_cpu_loop_drops_megatron_argument_table(capsys):
-    from megatron_hybridep.megatron.cpu_loop import _without_args_table
+    from megatron_hybridep.train.cpu_loop import _without_args_table
 
     def validate_args(args):
         print("using world size: 4")

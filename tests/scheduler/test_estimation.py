@@ -13,8 +13,8 @@ from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import Level, Topology
 from megatron_hybridep.plan.workload import Workload
 from megatron_hybridep.runtime.instrument import Stats
-from megatron_hybridep.runtime.launch import run_ranks
 from megatron_hybridep.runtime.scheduler import Measurement, PlanScheduler, SchedulerConfig, blocking_by_level
+from megatron_hybridep.train.launch import run_ranks
 from tests.scheduler.test_scheduler import FakeRuntime
 
 # The replan demo's world: 2 DCs x 2 ranks, a 2048-token-per-rank GPT-MoE with small experts.

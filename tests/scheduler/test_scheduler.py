@@ -12,9 +12,9 @@ from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import Topology
 from megatron_hybridep.plan.workload import Workload
 from megatron_hybridep.runtime.instrument import Stats
-from megatron_hybridep.runtime.launch import run_ranks
 from megatron_hybridep.runtime.scheduler import Measurement, PlanScheduler, SchedulerConfig
 from megatron_hybridep.testing.exactness import FP64_TOL, scaled_error
+from megatron_hybridep.train.launch import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOPO = Topology.from_yaml(os.path.join(REPO, "configs", "topologies", "2dc_x_8.yaml"))
@@ -102,7 +102,7 @@ def test_alternating_conditions_do_not_flap():
 def _train(ctx, switch_at, steps):
     from megatron_hybridep.data.synthetic import MarkovCorpus
     from megatron_hybridep.megatron import cpu_runtime, setup, teardown
-    from megatron_hybridep.megatron.gpt import GPTMoEArgs, build, initialize_parallel, train_step
+    from megatron_hybridep.train.gpt import GPTMoEArgs, build, initialize_parallel, train_step
 
     cpu_runtime.enable()
     args = GPTMoEArgs(expert_model_parallel_size=4, dispatcher="hybridep", params_dtype=torch.float64)

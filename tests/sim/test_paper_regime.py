@@ -136,7 +136,7 @@ def test_neighbourhood_compute_ranks():
 
 def test_runtime_refuses_neighbourhood_plans_before_any_collective(tmp_path):
     """The dispatcher runs domains that partition the ranks; a neighbourhood plan file fails at load
-    (megatron/planning.py loads --hybridep-plan files before any group is built) with one line."""
+    (train/planning.py loads --hybridep-plan files before any group is built) with one line."""
     import json
 
     d = json.loads(Plan.grid((4, 2), (2, 1), 8).to_json())

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from megatron_hybridep.testbed import bench_report as br
+from megatron_hybridep.bench import report as br
 
 
 def _row(system: str) -> br.Row:

@@ -11,7 +11,7 @@ import time
 import pytest
 from testbed_helpers import leftovers, run_to_end, why_not_root_capable
 
-from megatron_hybridep.testbed.bench import SMOKE
+from megatron_hybridep.bench.cli import SMOKE
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +109,7 @@ def test_bench_micro_batches_hybridep_wan_bytes_per_iteration_do_not_grow(smoke_
 def _args(**kw):
     import argparse
 
-    from megatron_hybridep.testbed.bench import add_arguments
+    from megatron_hybridep.bench.cli import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -118,7 +118,7 @@ def _args(**kw):
 
 
 def test_default_sweep_spans_32x_as_micro_batch_times_seq():
-    from megatron_hybridep.testbed.bench import resolve
+    from megatron_hybridep.bench.cli import resolve
 
     cfg = resolve(_args())
     tokens = [p["tokens"] for p in cfg.points]
@@ -136,7 +136,7 @@ def test_default_sweep_spans_32x_as_micro_batch_times_seq():
     ({"compression_ratio": 1}, "--compression-ratio"), ({"micro_batches": 0}, "--micro-batches"),
 ])
 def test_bad_options_name_the_field_and_the_fix(kw, field):
-    from megatron_hybridep.testbed.bench import BenchError, resolve
+    from megatron_hybridep.bench.cli import BenchError, resolve
 
     with pytest.raises(BenchError, match=field) as exc:
         resolve(_args(**kw))
@@ -144,7 +144,7 @@ def test_bad_options_name_the_field_and_the_fix(kw, field):
 
 
 def test_prediction_adds_the_shaped_network_to_the_unshaped_step():
-    from megatron_hybridep.testbed import bench_predict as bp
+    from megatron_hybridep.bench import predict as bp
 
     shaped = bp.testbed_topology(2, 2, 38.0, 20_000.0)
     unshaped = bp.testbed_topology(2, 2, 3_000.0, 20_000.0)
@@ -168,16 +168,24 @@ def test_prediction_adds_the_shaped_network_to_the_unshaped_step():
     # ranks' (S-1) x 2 experts x 2 layers of gradients (fp32)
     grad = 2 * 2 * 2 * bp.BUILTIN.expert_params * 4
     assert hyb.phases["grad_return"] == pytest.approx(grad / (38e6 / 8) - grad / (3e9 / 8), rel=1e-6)
+    # on gloo the return is an all-to-all: a long one (>= STEADY_S) runs at the probes' steady share
+    assert hyb.phases["grad_return"] >= bp.STEADY_S
+    steady = bp.predict(shaped, unshaped, work, domains, 60_000, 0.5, steady_efficiency=0.8)
+    assert steady.phases["grad_return"] == pytest.approx(grad / (0.8 * 38e6 / 8) - grad / (3e9 / 8), rel=1e-6)
+    assert steady.uncalibrated_total == pytest.approx(hyb.total)
     comp_work = bp.Calibration(0.05, 0.02, 16384).workload(bp.BUILTIN, 4096, 128, compression_ratio=50.0)
     comp = bp.predict(shaped, unshaped, comp_work, domains, 60_000, 0.5)
     assert comp.phases["grad_return"] < hyb.phases["grad_return"] / 10
+    short = bp.predict(shaped, unshaped, comp_work, domains, 60_000, 0.5, steady_efficiency=0.8)
+    assert comp.phases["grad_return"] < bp.STEADY_S
+    assert short.phases["grad_return"] == comp.phases["grad_return"]  # start-up bound: not scaled
     rep = bp.predict(shaped, unshaped, work, bp.system_plan("replicated", shaped, 8), 60_000, 0.5)
     assert comp.total < rep.total  # replicated all-reduces full expert gradients over the WAN
 
 
 def test_micro_batches_reach_the_command_and_the_workload():
-    from megatron_hybridep.testbed import bench_predict as bp
-    from megatron_hybridep.testbed.bench import resolve
+    from megatron_hybridep.bench import predict as bp
+    from megatron_hybridep.bench.cli import resolve
 
     cfg = resolve(_args(micro_batches=4, borrowed_copies="microbatch", model="configs/models/bench-moe.yaml"))
     assert cfg.micro_batches == 4 and not cfg.hold_copies
@@ -200,9 +208,9 @@ def test_micro_batches_reach_the_command_and_the_workload():
 
 
 def _param_split(ctx, model_path):
+    from megatron_hybridep.bench import predict as bp
     from megatron_hybridep.megatron import cpu_runtime
-    from megatron_hybridep.megatron.gpt import GPTMoEArgs, build, initialize_parallel
-    from megatron_hybridep.testbed import bench_predict as bp
+    from megatron_hybridep.train.gpt import GPTMoEArgs, build, initialize_parallel
 
     cpu_runtime.enable()
     args = GPTMoEArgs(**bp.load_model(model_path).gpt_args(128))
@@ -216,8 +224,8 @@ def _param_split(ctx, model_path):
 
 def test_bench_moe_model_is_expert_heavy():
     """configs/models/bench-moe.yaml: experts hold >= 90% of the built Megatron model's parameters."""
-    from megatron_hybridep.runtime.launch import run_ranks
-    from megatron_hybridep.testbed import bench_predict as bp
+    from megatron_hybridep.bench import predict as bp
+    from megatron_hybridep.train.launch import run_ranks
 
     m = bp.load_model("configs/models/bench-moe.yaml")
     m.check(4)
@@ -225,3 +233,21 @@ def test_bench_moe_model_is_expert_heavy():
     assert experts == m.num_layers * m.num_experts * m.expert_params
     assert experts / (dense + experts) >= 0.90, (dense, experts)
     print(f"bench-moe: {dense:,} dense + {experts:,} expert parameters ({experts / (dense + experts):.1%})")
+
+
+def test_reanalyse_reproduces_the_runs_own_analysis(smoke_m1, tmp_path):
+    """`bench --reanalyse DIR` (no testbed) rebuilds the analysis from the run's logs and summary:
+    with the same cost model it gives the same rows, predictions included."""
+    import shutil
+
+    from megatron_hybridep.bench.reanalyse import reanalyse
+
+    out, rows, _, _ = smoke_m1
+    copy = tmp_path / "again"
+    shutil.copytree(out, copy)
+    (copy / "bench.csv").unlink()
+    reanalyse(copy)
+    with open(copy / "bench.csv", newline="") as f:
+        again = list(csv.DictReader(f))
+    key = ("point", "system", "plan", "median_s", "unshaped_s", "predicted_s", "wan_tx_mb", "a2a_efficiency")
+    assert [tuple(r[k] for k in key) for r in again] == [tuple(r[k] for k in key) for r in rows]

@@ -7,7 +7,7 @@ import pytest
 
 def test_megatron_train_step_is_wrapped_once_and_calls_the_runtime(monkeypatch):
     training = pytest.importorskip("megatron.training.training")
-    from megatron_hybridep.megatron import gpu_pretrain
+    from megatron_hybridep.megatron import training_hooks
     from megatron_hybridep.runtime import context
 
     calls = []
@@ -28,8 +28,8 @@ def test_megatron_train_step_is_wrapped_once_and_calls_the_runtime(monkeypatch):
 
     monkeypatch.setattr(training, "train_step", fake_train_step)
     monkeypatch.setattr(context, "_RUNTIME", Runtime())
-    gpu_pretrain._after_each_step()
-    gpu_pretrain._after_each_step()  # idempotent: a second pretrain() in-process must not double-step
+    training_hooks.after_each_step()
+    training_hooks.after_each_step()  # idempotent: a second pretrain() in-process must not double-step
     assert training.train_step(1, k=2) == ("loss", (1,), {"k": 2})
     assert calls == ["megatron", "reset", "runtime"]
     monkeypatch.setattr(context, "_RUNTIME", None)
@@ -40,15 +40,15 @@ def test_megatron_train_step_is_wrapped_once_and_calls_the_runtime(monkeypatch):
 def test_megatron_own_reparse_accepts_the_hybridep_dispatcher(monkeypatch):
     """pretrain() re-parses sys.argv with Megatron's bare parser (fault-tolerance setup)."""
     arguments = pytest.importorskip("megatron.training.arguments")
-    from megatron_hybridep.megatron import gpu_pretrain
+    from megatron_hybridep.megatron import training_hooks
 
     monkeypatch.setattr(arguments, "add_megatron_arguments", arguments.add_megatron_arguments)
     monkeypatch.setattr("sys.argv", ["pretrain_moe.py", "--moe-token-dispatcher-type", "hybridep",
                                      "--hybridep-plan", "ep"])
     with pytest.raises(SystemExit):
         arguments.parse_args(ignore_unknown_args=True)
-    gpu_pretrain._hybridep_in_every_parser()
-    gpu_pretrain._hybridep_in_every_parser()
+    training_hooks.hybridep_in_every_parser()
+    training_hooks.hybridep_in_every_parser()
     assert arguments.parse_args(ignore_unknown_args=True).moe_token_dispatcher_type == "hybridep"
 
 
@@ -56,7 +56,7 @@ def test_the_wrapped_step_runs_the_scheduler_before_the_runtime_learns_the_step(
     """--hybridep-replan-interval on GPU: the runtime's scheduler decides after every optimizer step,
     before the next iteration's first gather is started by after_optimizer_step."""
     training = pytest.importorskip("megatron.training.training")
-    from megatron_hybridep.megatron import gpu_pretrain
+    from megatron_hybridep.megatron import training_hooks
     from megatron_hybridep.runtime import context
 
     calls = []
@@ -79,7 +79,7 @@ def test_the_wrapped_step_runs_the_scheduler_before_the_runtime_learns_the_step(
 
     monkeypatch.setattr(training, "train_step", lambda *a, **k: calls.append("megatron"))
     monkeypatch.setattr(context, "_RUNTIME", Runtime())
-    gpu_pretrain._after_each_step()
+    training_hooks.after_each_step()
     training.train_step()
     training.train_step()
     assert calls == ["megatron", ("scheduler", 1), "reset", "runtime", "megatron", ("scheduler", 2), "reset", "runtime"]

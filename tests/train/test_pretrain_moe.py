@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from megatron_hybridep.runtime.launch import run_ranks
+from megatron_hybridep.train.launch import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRESET = os.path.join(REPO, "configs", "presets", "cpu_demo.yaml")
@@ -62,8 +62,8 @@ def test_scheduler_flags_reject_bad_values_naming_the_flag(flag, value, message,
 def test_scheduler_replicas_with_a_capacity_factor_fail_before_any_collective():
     import argparse
 
-    from megatron_hybridep.megatron.planning import build_runtime
     from megatron_hybridep.plan.errors import PlanError
+    from megatron_hybridep.train.planning import build_runtime
 
     args = argparse.Namespace(hybridep_replan_replicas=2, moe_expert_capacity_factor=1.0)
     with pytest.raises(PlanError, match=r"--hybridep-replan-replicas.*capacity-factor.*fix"):
@@ -71,8 +71,8 @@ def test_scheduler_replicas_with_a_capacity_factor_fail_before_any_collective():
 
 
 def _train(ctx, argv):
-    from megatron_hybridep.megatron import cpu_loop
     from megatron_hybridep.megatron.arguments import parse
+    from megatron_hybridep.train import cpu_loop
 
     return cpu_loop.run(parse(argv, default_config=PRESET)).losses
 
@@ -98,7 +98,7 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path):
 def test_every_preset_parses_with_megatron_and_plans(preset, monkeypatch):
     """Each preset is valid Megatron + plugin flags and its paired topology plans."""
     from megatron_hybridep.megatron.arguments import parse
-    from megatron_hybridep.megatron.planning import choose
+    from megatron_hybridep.train.planning import choose
 
     monkeypatch.chdir(REPO)
     args = parse(["--config", os.path.join("configs", "presets", preset)])
@@ -114,8 +114,8 @@ def test_every_preset_parses_with_megatron_and_plans(preset, monkeypatch):
 
 
 def _short_run(ctx, argv):
-    from megatron_hybridep.megatron import cpu_loop
     from megatron_hybridep.megatron.arguments import parse
+    from megatron_hybridep.train import cpu_loop
 
     s = cpu_loop.run(parse(argv, default_config=PRESET))
     return s.losses
@@ -157,8 +157,8 @@ def test_megatron_datasets_train_and_log_to_tensorboard(data, tmp_path):
 
 
 def _run_collect(ctx, argv):
-    from megatron_hybridep.megatron import cpu_loop
     from megatron_hybridep.megatron.arguments import parse
+    from megatron_hybridep.train import cpu_loop
 
     s = cpu_loop.run(parse(argv, default_config=PRESET), collect_params=True)
     return s.params
@@ -185,7 +185,7 @@ def test_auto_runs_the_best_plan_for_the_configured_ep_size_and_says_when_replic
     import logging
 
     from megatron_hybridep.megatron.arguments import parse
-    from megatron_hybridep.megatron.planning import choose
+    from megatron_hybridep.train.planning import choose
 
     args = parse([], default_config=PRESET)
     with caplog.at_level(logging.WARNING, logger="hybridep.planning"):

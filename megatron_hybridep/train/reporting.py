@@ -5,21 +5,37 @@ scalars with --tensorboard-dir, and a closing summary."""
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_hybridep.megatron.planning import PlanChoice
 from megatron_hybridep.plan.cost import bytes_human
 from megatron_hybridep.plan.phases import Phase
+from megatron_hybridep.train.planning import PlanChoice
+
+
+@dataclass
+class RunSummary:
+    iterations: int = 0
+    first_loss: float = math.nan
+    final_loss: float = math.nan
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    inter_dc_bytes: float = 0.0
+    inter_dc_by_phase: dict[str, float] = field(default_factory=dict)  # summed over ranks and iterations
+    plan: str = ""
+    unigram_entropy: float | None = None
+    wall_s: float = 0.0
+    params: dict[str, torch.Tensor] | None = None  # final parameters, when run(collect_params=True)
 
 
 class Reporter:
     def __init__(self, args: argparse.Namespace, choice: PlanChoice | None, runtime: Any, rank: int) -> None:
-        from megatron_hybridep.megatron.cpu_loop import RunSummary
-
         self.args, self.choice, self.runtime, self.rank = args, choice, runtime, rank
         self.summary = RunSummary(plan=self.plan_label)
         self.tb = None

@@ -1,4 +1,4 @@
-"""The parent's side of `hybridep bench`'s control protocol (bench_control): what each rank-0 request
+"""The parent's side of `hybridep bench`'s control protocol (bench/control): what each rank-0 request
 is answered with, WAN shaping between the unshaped and shaped phases, the planner's choice per
 point, and the progress lines.
 
@@ -14,9 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from megatron_hybridep.bench import predict as bp
+from megatron_hybridep.bench.config import COMPRESSED, SYSTEMS, BenchConfig, BenchError
 from megatron_hybridep.plan.plan import Plan
-from megatron_hybridep.testbed import bench_predict as bp
-from megatron_hybridep.testbed.bench_config import COMPRESSED, SYSTEMS, BenchConfig, BenchError
 from megatron_hybridep.testbed.network import Testbed
 from megatron_hybridep.testbed.selfcheck import TCP_GOODPUT_FRACTION, measure_throughput
 

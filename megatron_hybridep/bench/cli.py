@@ -5,9 +5,9 @@ the real Megatron GPT-MoE on the emulated multi-DC testbed (network namespaces +
     python -m megatron_hybridep bench --smoke              # 2 points, tiny batches, < 60 s
     python -m megatron_hybridep bench --rate 100mbit --points 4 --min-tokens 256 --out runs/b1
 
-One testbed (D DCs x K ranks), one launch of the rank workers (bench_worker) per point (fresh
+One testbed (D DCs x K ranks), one launch of the rank workers (bench/worker) per point (fresh
 processes: gloo never frees old process groups' threads), steered by the parent over a control
-socket (bench_control); rank logs in <out>/logs/point<i>. Point by point, highest traffic first (tokens per rank =
+socket (bench/control); rank logs in <out>/logs/point<i>. Point by point, highest traffic first (tokens per rank =
 micro_batch x seq, --points values over a 32x range, so the token traffic per rank spans 32x like the
 paper's 6..192 MB), system by system (EP first, then replicated, HybridEP with exact migration, and
 HybridEP with weights and returned gradients top-k compressed, --compression-ratio):
@@ -17,12 +17,12 @@ HybridEP with weights and returned gradients top-k compressed, --compression-rat
    testbed (bandwidth = TCP goodput of the rate) and a Workload of the model, tokens and step 1
    (for the compressed variant: with the codec's bytes);
 3. WAN shaped to --rate: warm up, K timed iterations; the uplink byte counters over exactly the
-   timed window; the prediction (bench_predict) next to it.
+   timed window; the prediction (bench/predict) next to it.
 Measuring each system unshaped and shaped back to back keeps the machine's load (shared cores)
 out of the comparison as far as possible; the report states the load average of every point.
-Modules: bench_config (options, sweep), bench_session (the parent's side of the protocol, shaping,
-planner), bench_worker (a rank), bench_predict (cost model -> predicted step), bench_analysis and
-bench_report (rows, probe, targets, CSV/PNG/table).
+Modules: bench/config (options, sweep), bench/session (the parent's side of the protocol, shaping,
+planner), bench/worker (a rank), bench/predict (cost model -> predicted step), bench/analysis and
+bench/report (rows, probe, targets, CSV/PNG/table).
 
 Default WAN rate: 50 Mbit/s per DC uplink. The paper's 10 Gbit/s links made EP communication-bound
 on A800s: at its top point (192 MB of token traffic per rank) HybridEP was 5.5x faster than EP, at its
@@ -55,9 +55,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from megatron_hybridep.plan.errors import PlanError
-from megatron_hybridep.testbed.bench_analysis import analyse
-from megatron_hybridep.testbed.bench_config import (
+from megatron_hybridep.bench.analysis import analyse
+from megatron_hybridep.bench.config import (
     DEFAULTS,
     SMOKE,
     BenchConfig,
@@ -65,8 +64,9 @@ from megatron_hybridep.testbed.bench_config import (
     add_arguments,
     resolve,
 )
-from megatron_hybridep.testbed.bench_control import CONTROL_ENV, ControlServer
-from megatron_hybridep.testbed.bench_session import Progress, Session
+from megatron_hybridep.bench.control import CONTROL_ENV, ControlServer
+from megatron_hybridep.bench.session import Progress, Session
+from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.testbed.network import Testbed, TestbedConfig
 from megatron_hybridep.testbed.sh import TestbedError
 
@@ -89,7 +89,7 @@ def run_bench(cfg: BenchConfig, log: IO[str] = sys.stdout) -> dict[str, Any]:
                     f"{[p['tokens'] for p in cfg.points]} x {cfg.micro_batches} micro-batches "
                     f"(borrowed copies: {cfg.borrowed_copies}); systems {','.join(cfg.systems)}")
         deadline = t0 + cfg.timeout
-        while session.pending():  # one launch per point: fresh ranks (see bench_session)
+        while session.pending():  # one launch per point: fresh ranks (see bench/session)
             _launch(cfg, tb, session, env, Path(tmp), cfg.out / "logs" / f"point{session.queue[0][0]}", repo,
                     Progress(t0, None if cfg.quiet else log), deadline)
     return analyse(cfg, session, session.events, time.monotonic() - t0)
@@ -103,7 +103,7 @@ def _launch(cfg: BenchConfig, tb: Testbed, session: Session, env: dict[str, str]
     if left <= 0:
         raise BenchError(f"the run exceeded its --timeout of {cfg.timeout:g} s")
     try:
-        group = tb.start([sys.executable, "-m", "megatron_hybridep.testbed.bench_worker",
+        group = tb.start([sys.executable, "-m", "megatron_hybridep.bench.worker",
                           "--spec", str(cfg.out / "spec.json")], env={**env, CONTROL_ENV: control.path},
                          timeout_s=left, stream=progress, log_dir=logs, cwd=repo)
         with group:
@@ -120,6 +120,11 @@ def _launch(cfg: BenchConfig, tb: Testbed, session: Session, env: dict[str, str]
 def run(args: argparse.Namespace) -> int:
     """Entry of `hybridep bench`: 0 on success (targets are reported, not enforced), 2 on errors."""
     try:
+        if getattr(args, "reanalyse", None):
+            from megatron_hybridep.bench.reanalyse import reanalyse
+
+            reanalyse(Path(args.reanalyse))
+            return 0
         cfg = resolve(args)
         run_bench(cfg)
     except (BenchError, TestbedError, PlanError) as exc:

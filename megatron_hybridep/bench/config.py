@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_hybridep.bench import predict as bp
 from megatron_hybridep.plan.errors import PlanError
-from megatron_hybridep.testbed import bench_predict as bp
 from megatron_hybridep.testbed.sh import TestbedError
 from megatron_hybridep.testbed.shaping import parse_rate_mbit
 
@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"quick end-to-end check: {SMOKE['points']} points from {SMOKE['min_tokens']} tokens, "
                              f"seq {SMOKE['seq']}, {SMOKE['warmup']} warm-up + {SMOKE['iters']} iterations")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--reanalyse", metavar="DIR",
+                        help="no testbed: redo the analysis of the finished run in DIR (its --out) from its logs, "
+                             "with today's cost model; rewrites its report, CSV, PNG and summary")
 
 
 # ---- configuration ---------------------------------------------------------------------------------

@@ -9,12 +9,12 @@ import platform
 import statistics
 from typing import Any
 
+from megatron_hybridep.bench import predict as bp
+from megatron_hybridep.bench import report as br
+from megatron_hybridep.bench.config import SYSTEMS, BenchConfig
+from megatron_hybridep.bench.predict import MEASURED
+from megatron_hybridep.bench.session import Session
 from megatron_hybridep.plan.phases import Phase
-from megatron_hybridep.testbed import bench_predict as bp
-from megatron_hybridep.testbed import bench_report as br
-from megatron_hybridep.testbed.bench_config import SYSTEMS, BenchConfig
-from megatron_hybridep.testbed.bench_predict import MEASURED
-from megatron_hybridep.testbed.bench_session import Session
 from megatron_hybridep.testbed.selfcheck import TCP_GOODPUT_FRACTION
 
 
@@ -37,7 +37,7 @@ def analyse(cfg: BenchConfig, session: Session, events: list[dict[str, Any]], el
             plan = bp.system_plan(e["system"], shaped, cfg.model.num_experts)
         base = calib[(e["system"], e["plan"], e["point"])]
         eff = probes.get(e["point"], {}).get("efficiency", 1.0)
-        pred = bp.predict(shaped, unshaped, workload, plan, dense, base["median_s"], eff)
+        pred = bp.predict(shaped, unshaped, workload, plan, dense, base["median_s"], eff, steady_efficiency(probes))
         rows.append(make_row(cfg, e, base, pred, ep_median[e["point"]], eff, rep_median.get(e["point"])))
     checks = br.check_targets(rows)
     write_outputs(cfg, rows, checks, session, elapsed_s)
@@ -95,7 +95,13 @@ def params_line(events: list[dict[str, Any]]) -> str:
             f"{experts / (experts + m['dense_params']):.1%}")
 
 
-STEADY_S = 0.05  # probes at least this long at the rate see steady-state TCP: their efficiencies are pooled
+STEADY_S = bp.STEADY_S  # probes at least this long at the rate see steady-state TCP: their efficiencies are pooled
+
+
+def steady_efficiency(probes: dict[int, dict[str, float]]) -> float:
+    """The pooled share of the rate long all-to-alls get (1 when no probe was long enough)."""
+    steady = [v["efficiency"] for v in probes.values() if v["ideal_s"] >= STEADY_S]
+    return steady[0] if steady else 1.0
 
 
 def probe_summary(cfg: BenchConfig, events: list[dict[str, Any]]) -> dict[int, dict[str, float]]:

@@ -22,12 +22,9 @@ def _dir(root: str, iteration: int) -> str:
 
 def _sharded_state(args: argparse.Namespace, model: Any, optimizer: Any, scheduler: Any, iteration: int,
                    loading: bool = False) -> dict[str, Any]:
-    from megatron.training.checkpointing import _build_sharded_state_dict_metadata
+    from megatron_hybridep.megatron.training_hooks import sharded_state_dict_metadata
 
-    # Megatron's own metadata (megatron.training.checkpointing does the same): it picks the
-    # distributed optimizer's sharding type ('dp_reshardable' by default); without it the
-    # optimizer falls back to a flattened-range format that dist_checkpointing 0.19 rejects.
-    metadata = _build_sharded_state_dict_metadata(args)
+    metadata = sharded_state_dict_metadata(args)  # Megatron's own (distributed optimizer sharding)
     model_sd = model.module.sharded_state_dict(metadata=metadata)
     # is_loading creates the optimizer's (Adam) state first, so the template has slots to fill.
     return {"model": model_sd,

@@ -17,7 +17,9 @@ How a prediction is made (per system, plan and point):
 - Calibration, stated as such: the shaped token all-to-alls are divided by the share of the rate a
   bare gloo all-to-all of EP's size got on the shaped WAN (the bench's probe, per point). gloo
   exchanges both directions of a pair on one TCP connection, which gets less than the one-way
-  goodput (selfcheck's two-way row). ``uncalibrated_total`` is the same prediction without it.
+  goodput (selfcheck's two-way row). The borrowed experts' gradient return is such an all-to-all
+  on gloo: when it lasts at least STEADY_S it is divided by the steady-state share (the probes of
+  at least STEADY_S, pooled). ``uncalibrated_total`` is the same prediction without either.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from megatron_hybridep.plan.planner import PlanningResult, choose_plan
 from megatron_hybridep.plan.topology import Level, Topology
 from megatron_hybridep.plan.workload import Workload
 
+STEADY_S = 0.05  # all-to-alls at least this long at the rate see steady-state TCP (one pooled efficiency)
 FP32 = 4  # bytes per element: the CPU runtime trains in fp32 (activations, weights, gradients)
 # the network phases a prediction reports (plan/phases.py): token all-to-alls both ways as one
 PHASES = (Phase.TOKEN_A2A, Phase.EXPERT_ALLGATHER, Phase.GRAD_RETURN, Phase.SHARED_SYNC, Phase.EXPERT_GRAD_ALLREDUCE,
@@ -57,7 +60,7 @@ class ModelShape:
     vocab_size: int = 256
 
     def gpt_args(self, seq_length: int) -> dict[str, Any]:
-        """GPTMoEArgs fields (megatron/gpt.py)."""
+        """GPTMoEArgs fields (train/gpt.py)."""
         return {"num_layers": self.num_layers, "hidden_size": self.hidden_size,
                 "ffn_hidden_size": self.ffn_hidden_size, "num_attention_heads": self.num_attention_heads,
                 "num_experts": self.num_experts, "topk": self.topk, "vocab_size": self.vocab_size,
@@ -143,14 +146,8 @@ class Calibration:
 
 
 def copies_mode(hold_copies: bool) -> dict[str, Any]:
-    """Workload fields of the borrowed-copies mode. THE single call site for the mode: plan/cost.py's
-    per-iteration pricing of held copies (issue 14 section 2) is landing separately; until Workload
-    has its field, the cost model prices gathers and returns per micro-batch (microbatch mode)."""
-    names = {f.name for f in dataclasses.fields(Workload)}
-    for field in ("hold_copies", "borrowed_copies"):
-        if field in names:
-            return {field: hold_copies if field == "hold_copies" else ("iteration" if hold_copies else "microbatch")}
-    return {}
+    """Workload field of the borrowed-copies mode the ranks run (the cost model prices it)."""
+    return {"borrowed_copies": "iteration" if hold_copies else "microbatch"}
 
 
 def system_plan(system: str, topology: Topology, num_experts: int) -> Plan:
@@ -185,16 +182,19 @@ class NetworkTime:
 
 
 def network_time(topology: Topology, workload: Workload, plan: Plan, dense_params: int,
-                 a2a_efficiency: float = 1.0) -> NetworkTime:
+                 a2a_efficiency: float = 1.0, steady_efficiency: float = 1.0) -> NetworkTime:
     """The cost model's exposed network phases (module doc); token all-to-alls at a2a_efficiency of
-    the link rate."""
-    if not a2a_efficiency > 0:
-        raise PlanError(f"a2a_efficiency: must be > 0, got {a2a_efficiency!r}")
+    the link rate; the gradient return, a gloo all-to-all too (runtime/migration.py), at
+    steady_efficiency when it lasts at least STEADY_S (shorter ones are start-up bound, like the probes)."""
+    if not a2a_efficiency > 0 or not steady_efficiency > 0:
+        raise PlanError(f"a2a_efficiency/steady_efficiency: must be > 0, got {a2a_efficiency!r}/{steady_efficiency!r}")
     cost = CostModel(topology, workload)
     cb = cost.evaluate(plan)
     ph = cb.phases
     seconds = {p: ph[p] for p in PHASES if p in ph}
     seconds[Phase.TOKEN_A2A] = (ph[Phase.TOKEN_A2A_FWD] + ph[Phase.TOKEN_A2A_BWD]) / a2a_efficiency
+    if seconds.get(Phase.GRAD_RETURN, 0.0) >= STEADY_S:
+        seconds[Phase.GRAD_RETURN] /= steady_efficiency
     world = topology.world_size
     dense = cost.network.ring(Family(topology.level_counts, (1,) * len(topology.levels)),
                               2 * (world - 1) / world * dense_params * FP32, 2 * (world - 1))
@@ -215,9 +215,10 @@ class Prediction:
 
 
 def predict(shaped: Topology, unshaped: Topology, workload: Workload, plan: Plan, dense_params: int,
-            unshaped_step_s: float, a2a_efficiency: float = 1.0) -> Prediction:
-    """a2a_efficiency: share of the shaped rate a bare all-to-all of this size got (1 = none measured)."""
-    hi = network_time(shaped, workload, plan, dense_params, a2a_efficiency)
+            unshaped_step_s: float, a2a_efficiency: float = 1.0, steady_efficiency: float = 1.0) -> Prediction:
+    """a2a_efficiency: share of the shaped rate a bare all-to-all of this size got (1 = none measured);
+    steady_efficiency: the same for all-to-alls of at least STEADY_S (the pooled probes)."""
+    hi = network_time(shaped, workload, plan, dense_params, a2a_efficiency, steady_efficiency)
     raw = network_time(shaped, workload, plan, dense_params)
     lo = network_time(unshaped, workload, plan, dense_params)
     phases = {k: hi.seconds[k] - lo.seconds[k] for k in PHASES}

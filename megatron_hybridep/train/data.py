@@ -54,12 +54,13 @@ def _megatron_dataset(args: argparse.Namespace, kind: str):  # noqa: ANN202
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
     from megatron.training import get_tokenizer
-    from megatron.training.global_vars import _build_tokenizer
+
+    from megatron_hybridep.megatron.training_hooks import build_tokenizer
 
     try:
         tokenizer = get_tokenizer()
     except AssertionError:
-        tokenizer = _build_tokenizer(args)
+        tokenizer = build_tokenizer(args)
     blend = None
     if kind == "indexed":
         from megatron.core.datasets.utils import get_blend_from_list

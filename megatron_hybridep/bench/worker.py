@@ -1,9 +1,9 @@
 """One rank of `hybridep bench`, started by the testbed launcher inside its DC's namespace:
 
-    python -m megatron_hybridep.testbed.bench_worker --spec SPEC.json
+    python -m megatron_hybridep.bench.worker --spec SPEC.json
 
-It trains the real Megatron GPT-MoE (megatron/gpt.py) and does what the parent says. Rank 0 asks
-over the control channel (bench_control) and broadcasts the answer:
+It trains the real Megatron GPT-MoE (train/gpt.py) and does what the parent says. Rank 0 asks
+over the control channel (bench/control) and broadcasts the answer:
 - {"op": "next"} -> one system at one point (and, for hybridep, its candidate plans), the WAN
   unshaped: build it, calibrate (warm-up + K iterations of each plan);
 - {"op": "shape"} -> the WAN is now shaped; the plans to measure (the planner's choice): warm-up +
@@ -20,7 +20,6 @@ Testbed.link_counters(), but read exactly at the edges of the timed window.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import statistics
@@ -33,9 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_hybridep.bench.control import CONTROL_ENV, ControlClient
+from megatron_hybridep.bench.predict import MEASURED
 from megatron_hybridep.plan.phases import Phase
-from megatron_hybridep.testbed.bench_control import CONTROL_ENV, ControlClient
-from megatron_hybridep.testbed.bench_predict import MEASURED
 
 PREFIX = "BENCH "
 WAN_DEV = "wan0"
@@ -95,20 +94,13 @@ class PhaseTimer:
         self._start("experts")
 
     def time_finalize(self, config: Any) -> None:
-        """Time Megatron's finalize_model_grads (dense and expert-data-parallel all-reduces) as the
-        schedule calls it: set as config.finalize_model_grads_func before gpt.train_step installs
-        grad_sync, which wraps it (hybridep first returns owed borrowed gradients, not timed here)."""
-        # importlib: the package re-exports a function under the submodule's name
-        orig = importlib.import_module("megatron.core.distributed.finalize_model_grads").finalize_model_grads
+        """Megatron's gradient finalisation, timed into ``grad_sync`` (megatron/grad_sync.py)."""
+        from megatron_hybridep.megatron import grad_sync
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                self.t["grad_sync"] += time.perf_counter() - t0
+        def add(seconds: float) -> None:
+            self.t["grad_sync"] += seconds
 
-        config.finalize_model_grads_func = timed
+        grad_sync.time_megatron_finalize(config, add)
 
 
 class Worker:
@@ -175,7 +167,7 @@ class Worker:
 
     # ---- one system -----------------------------------------------------------------------------
     def _args(self, system: str) -> Any:
-        from megatron_hybridep.megatron.gpt import GPTMoEArgs
+        from megatron_hybridep.train.gpt import GPTMoEArgs
 
         model = dict(self.spec["model"])
         if system == "ep":
@@ -190,9 +182,9 @@ class Worker:
         """Build one system, calibrate each of its plans unshaped, then measure the chosen ones shaped."""
         from megatron_hybridep.megatron import setup, teardown
         from megatron_hybridep.megatron.dispatcher import instrument
-        from megatron_hybridep.megatron.gpt import build, initialize_parallel
         from megatron_hybridep.plan.plan import Plan
         from megatron_hybridep.runtime.instrument import Stats
+        from megatron_hybridep.train.gpt import build, initialize_parallel
 
         system, point = order["system"], order["point"]
         args = self._args(system)
@@ -264,7 +256,7 @@ class Worker:
     # ---- one point ------------------------------------------------------------------------------
     def run_point(self, phase: str, system: str, label: str, plan_index: int | None, point: dict[str, Any],
                   state: Any, timer: PhaseTimer, stats: Any, warmup: int, iters: int) -> None:
-        from megatron_hybridep.megatron.gpt import train_step
+        from megatron_hybridep.train.gpt import train_step
 
         mbs, seq = point["micro_batch"], point["seq"]
         m = self.spec.get("micro_batches", 1)  # per iteration, each of mbs x seq tokens (Megatron's schedule)

@@ -1,0 +1,59 @@
+"""`hybridep bench --reanalyse DIR`: a finished run's analysis again, from what it recorded
+(summary.json and rank 0's ``BENCH`` lines in logs/point*/rank0.log), with today's cost model and
+report: the prediction can be improved and checked against real runs without the testbed. The
+measured rows are the run's; bench.csv, bench.png, summary.json and report.txt are rewritten."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from megatron_hybridep.bench import predict as bp
+from megatron_hybridep.bench.analysis import analyse
+from megatron_hybridep.bench.config import BenchError, add_arguments, resolve
+from megatron_hybridep.bench.session import Session
+
+
+def recorded_events(out: Path) -> list[dict[str, Any]]:
+    """Rank 0's events (what the parent saw over the control channel), per-iteration lines left out."""
+    events = []
+    for log in sorted(out.glob("logs/point*/rank0.log")):
+        for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+            if "BENCH " in line:
+                e = json.loads(line.split("BENCH ", 1)[1])
+                if e["event"] != "iter":
+                    events.append(e)
+    if not any(e["event"] == "point" for e in events):
+        raise BenchError(f"--reanalyse: no BENCH point events under {out}/logs/point*/rank0.log; fix: pass the "
+                         "--out directory of a finished `hybridep bench` run")
+    return events
+
+
+def reanalyse(out: Path) -> dict[str, Any]:
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except FileNotFoundError:
+        raise BenchError(f"--reanalyse: {out}/summary.json not found; fix: pass the --out directory of a finished "
+                         "`hybridep bench` run") from None
+    argv = shlex.split(summary["command"])
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(argv[argv.index("bench") + 1:])
+    args.out, args.quiet = str(out), True
+    cfg = resolve(args)
+    session = Session(cfg, tb=None, log=io.StringIO())  # type: ignore[arg-type]  # nothing is shaped
+    session.events = recorded_events(out)
+    session.info.update(summary["probe"], chosen=dict(summary["hybridep_plans"]),
+                        planner_best=dict(summary["planner_best_overall"]),
+                        shaped_tx_bytes=summary["link_counters_check_mb"]["shaped_segments"] * cfg.dcs * 1e6)
+    candidates = {p.label: p for p in bp.candidate_plans(session.topology(shaped=True), cfg.model.num_experts)}
+    for key, label in summary["hybridep_plans"].items():  # the plans that ran
+        point, system = key.split()
+        if label not in candidates:
+            raise BenchError(f"--reanalyse: plan {label!r} of {key} is not a candidate of this testbed")
+        session.chosen[(int(point), system)] = candidates[label]
+    return analyse(cfg, session, session.events, float(summary["elapsed_s"]))

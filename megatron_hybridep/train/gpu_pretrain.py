@@ -1,0 +1,94 @@
+"""pretrain_moe.py on GPU clusters: Megatron's own training loop (megatron.training.pretrain), with
+its checkpointing, logging and data pipeline, as pretrain_gpt.py uses it. The plugin adds the
+hybridep dispatcher (registered before the model is built) and the plan (chosen once the model
+parallel groups exist). Written against megatron-core 0.19.2's megatron.training API; CUDA only,
+so it is not exercised by the CPU test suite (the CPU loop in cpu_loop.py drives the same
+Megatron model, DDP, optimizer and checkpoint code)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from functools import partial
+from typing import Any
+
+import torch
+
+from megatron_hybridep.megatron.arguments import add_hybridep_args
+from megatron_hybridep.train import gpt
+
+
+def _model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+                    config: Any = None, pg_collection: Any = None) -> Any:
+    from megatron.core import parallel_state
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from megatron_hybridep.runtime.context import get_runtime
+    from megatron_hybridep.train.planning import setup_from_args
+
+    args = get_args()
+    config = config or core_transformer_config_from_args(args)
+    if args.moe_token_dispatcher_type == "hybridep" and get_runtime() is None:
+        setup_from_args(args, torch.distributed.get_world_size(), parallel_state.get_expert_model_parallel_group())
+    spec = gpt.layer_spec(args.num_experts, qk_layernorm=args.qk_layernorm, grouped_gemm=args.moe_grouped_gemm,
+                          transformer_engine=args.transformer_impl == "transformer_engine")
+    return gpt.gpt_model(config, spec, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                         **gpt.model_kwargs(args))
+
+
+def _loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    mask = loss_mask.view(-1).float()
+    total = torch.sum(output.view(-1).float() * mask)
+    tokens = mask.sum().to(torch.int)
+    report = torch.cat([total.clone().detach().view(1), tokens.view(1).float()])
+    return total, tokens, {"lm loss": report}
+
+
+def _forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+    batch = next(data_iterator)
+    tokens, labels = batch["tokens"].cuda(), batch["labels"].cuda()
+    loss_mask = batch["loss_mask"].cuda()
+    position_ids = batch["position_ids"].cuda()
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, partial(_loss, loss_mask)
+
+
+def _datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None) -> tuple:
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.utils import get_blend_from_list
+    from megatron.training import get_args, get_tokenizer
+
+    args = get_args()
+    config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length,
+                              blend=get_blend_from_list(args.data_path), split=args.split,
+                              tokenizer=get_tokenizer(), reset_position_ids=args.reset_position_ids,
+                              reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+                              path_to_cache=args.data_cache_path, mid_level_dataset_surplus=0.005)
+    kind = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(kind, train_val_test_num_samples, lambda: True, config).build()
+
+
+def pretrain(args: argparse.Namespace) -> int:
+    """Hand the (preset-merged) command line to Megatron's pretrain(), the way pretrain_gpt.py of
+    megatron-core 0.19 does: parse + validate (our flags added), build the config container, run."""
+    from megatron.core.enums import ModelType
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.training import pretrain as megatron_pretrain
+
+    from megatron_hybridep.megatron import register, training_hooks
+    from megatron_hybridep.megatron.compat import check_transformer_impl
+
+    check_transformer_impl(args.transformer_impl)  # before Megatron initialises anything
+    register()
+    training_hooks.after_each_step()
+    training_hooks.hybridep_in_every_parser()
+    training_hooks.use_prebuilt_dataset_helpers()
+    _datasets_provider.is_distributed = True
+    sys.argv = ["pretrain_moe.py", *args.argv]
+    margs = parse_and_validate_args(extra_args_provider=add_hybridep_args)
+    megatron_pretrain(pretrain_cfg_container_from_args(margs), _datasets_provider, ModelType.encoder_or_decoder,
+                      _forward_step, model_provider=_model_provider)
+    return 0
