@@ -163,6 +163,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         "goodput_mbit": cfg.rate_mbit * TCP_GOODPUT_FRACTION, "model": cfg.model.__dict__,
         "points": cfg.points, "elapsed_s": elapsed_s, "probe": {k: session.info[k] for k in
                                                                 ("unshaped_wan_mbit", "intra_mbit")},
+        "dense_params": next(e["dense_params"] for e in session.events if e["event"] == "model"),
         "hybridep_plans": session.info["chosen"], "planner_best_overall": session.info["planner_best"],
         "targets": [c.__dict__ for c in checks],
         "link_counters_check_mb": {"timed_windows": window, "shaped_segments": total},

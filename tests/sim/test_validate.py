@@ -140,27 +140,28 @@ def test_reader_errors_name_the_column(tmp_path):
         plan_for("deepep", topo, 8, "", "", "row 2")
 
 
-MEASURED = os.path.join(os.path.dirname(__file__), "data", "bench_2dc_x_2_50mbit", "bench.csv")
+DATA = os.path.join(os.path.dirname(__file__), "data")
+# (recorded run, points x systems it holds, systems)
+RECORDED = [
+    ("bench_2dc_x_2_50mbit", 24, {"ep", "replicated", "hybridep", "hybridep-compressed"}),
+    ("bench_4dc_x_1_50mbit", 18, {"ep", "hybridep", "hybridep-compressed"}),
+    ("bench_4dc_x_2_50mbit", 24, {"ep", "replicated", "hybridep", "hybridep-compressed"}),
+]
 
 
-def test_recorded_testbed_run():
-    """A real `hybridep bench` run (2 DCs x 2 CPU ranks, 50 Mbit/s WAN with a 1 ms HTB bucket, 6 points x
-    4 systems, 7 timed iterations each; tests/sim/data, the main run before the bench launched fresh
-    ranks per point): at least 90% of the points within 15% of the measured median, none off by more
-    than 25% (single points are noisy: min-max spreads of 10-20% at 7 iterations)."""
-    comps = compare(read_bench_csv(MEASURED))
-    assert len(comps) == 24
-    assert {c.point.system for c in comps} == {"ep", "replicated", "hybridep", "hybridep-compressed"}
-    within = sum(c.ok() for c in comps)
-    assert within >= 0.9 * len(comps), format_comparison(comps)
-    assert all(abs(c.error) <= 0.25 for c in comps), format_comparison(comps)
-
-
-@pytest.mark.skipif(not os.environ.get("HYBRIDEP_BENCH_CSV"), reason="set HYBRIDEP_BENCH_CSV=path/to/bench.csv")
-def test_real_bench_within_15_percent():
-    comps = compare(read_bench_csv(os.environ["HYBRIDEP_BENCH_CSV"]))
-    bad = [(c.point.label, f"{c.error:+.1%}") for c in comps if not c.ok()]
-    assert not bad, bad
+@pytest.mark.parametrize("run,points,systems", RECORDED, ids=[r[0] for r in RECORDED])
+def test_recorded_testbed_run(run, points, systems):
+    """Real `hybridep bench` runs (fresh rank processes per point, 50 Mbit/s WAN with a 1 ms HTB
+    bucket, 6 points, 7 timed iterations each; tests/sim/data, recorded 2026-11-25 on a quiet
+    2-core machine; docs/simulator.md): at least 3 in 4 points within 10% of the measured median
+    and none off by more than 20%. The misses are EP's largest all-to-alls (gloo gets less of the
+    link in training than the bare probe) and single noisy points (min-max spreads up to 60%)."""
+    comps = compare(read_bench_csv(os.path.join(DATA, run, "bench.csv")))
+    assert len(comps) == points
+    assert {c.point.system for c in comps} == systems
+    table = format_comparison(comps, tolerance=0.10)
+    assert sum(abs(c.error) <= 0.10 for c in comps) >= 0.75 * len(comps), table
+    assert all(abs(c.error) <= 0.20 for c in comps), table
 
 
 def test_simulated_points_are_the_simulator(tmp_path):
