@@ -26,6 +26,7 @@ def analyse(cfg: BenchConfig, session: Session, events: list[dict[str, Any]], el
     shaped, unshaped = session.topology(shaped=True), session.topology(shaped=False)
     ep_median = {e["point"]: e["median_s"] for e in measured if e["system"] == "ep"}
     probes = probe_summary(cfg, events)
+    steady = steady_efficiency(probes)
     rows: list[br.Row] = []
     rep_median = {e["point"]: e["median_s"] for e in measured if e["system"] == "replicated"}
     for e in sorted(measured, key=lambda e: (e["point"], SYSTEMS.index(e["system"]))):
@@ -37,10 +38,10 @@ def analyse(cfg: BenchConfig, session: Session, events: list[dict[str, Any]], el
             plan = bp.system_plan(e["system"], shaped, cfg.model.num_experts)
         base = calib[(e["system"], e["plan"], e["point"])]
         eff = probes.get(e["point"], {}).get("efficiency", 1.0)
-        pred = bp.predict(shaped, unshaped, workload, plan, dense, base["median_s"], eff, steady_efficiency(probes))
+        pred = bp.predict(shaped, unshaped, workload, plan, dense, base["median_s"], eff, steady)
         rows.append(make_row(cfg, e, base, pred, ep_median[e["point"]], eff, rep_median.get(e["point"])))
     checks = br.check_targets(rows)
-    write_outputs(cfg, rows, checks, session, elapsed_s)
+    write_outputs(cfg, rows, checks, session, elapsed_s, dense)
     return {"rows": rows, "checks": checks, "elapsed_s": elapsed_s}
 
 
@@ -149,7 +150,7 @@ def machine() -> str:
 
 
 def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCheck], session: Session,
-                  elapsed_s: float) -> None:
+                  elapsed_s: float, dense_params: int) -> None:
     csv_path, png_path = cfg.out / "bench.csv", cfg.out / "bench.png"
     br.write_csv(rows, csv_path)
     title = (f"{br.systems_title(rows)}: {cfg.dcs} DCs x {cfg.ranks_per_dc} ranks, WAN {cfg.rate_text} "
@@ -163,7 +164,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         "goodput_mbit": cfg.rate_mbit * TCP_GOODPUT_FRACTION, "model": cfg.model.__dict__,
         "points": cfg.points, "elapsed_s": elapsed_s, "probe": {k: session.info[k] for k in
                                                                 ("unshaped_wan_mbit", "intra_mbit")},
-        "dense_params": next(e["dense_params"] for e in session.events if e["event"] == "model"),
+        "dense_params": dense_params,
         "hybridep_plans": session.info["chosen"], "planner_best_overall": session.info["planner_best"],
         "targets": [c.__dict__ for c in checks],
         "link_counters_check_mb": {"timed_windows": window, "shaped_segments": total},

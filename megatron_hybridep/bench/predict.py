@@ -142,12 +142,7 @@ class Calibration:
             t_pre_ms=self.t_pre_s / shape.num_layers / micro_batches * 1e3, throughput_tflops=tflops,
             compression_ratio=compression_ratio, grad_compression_ratio=compression_ratio,
             shared_sync_bytes_per_layer=shared_sync_bytes_per_layer, name=shape.name,
-            **copies_mode(hold_copies))
-
-
-def copies_mode(hold_copies: bool) -> dict[str, Any]:
-    """Workload field of the borrowed-copies mode the ranks run (the cost model prices it)."""
-    return {"borrowed_copies": "iteration" if hold_copies else "microbatch"}
+            borrowed_copies="iteration" if hold_copies else "microbatch")
 
 
 def system_plan(system: str, topology: Topology, num_experts: int) -> Plan:
