@@ -151,7 +151,8 @@ def worker(spec_path: str) -> int:
         if decision is not None:
             r = decision.replan
             row.update(predicted_current_s=r.current_seconds, predicted_best_s=r.best_seconds, best=r.plan.label,
-                       compute_s=decision.compute_s, **{f"bw_{k}_gbps": v for k, v in decision.bandwidth_gbps.items()})
+                       compute_s=decision.compute_s, network_factor=decision.network_factor,
+                       **{f"bw_{k}_gbps": v for k, v in decision.bandwidth_gbps.items()})
         rows.append(row)
         if client is not None and iteration == spec["change_at"]:
             client.request({"op": "change", "iteration": iteration})  # returns once the rate has changed
@@ -182,13 +183,13 @@ def run_once(tb: Any, cfg: DemoConfig, kind: str, plans: dict[str, Any], tmp: st
     from megatron_hybridep.bench.control import CONTROL_ENV, ControlServer
 
     argv = train_argv(cfg)
-    topo_path = os.path.join(tmp, "topology.yaml")
-    if kind in ("adaptive", "stable"):
-        import yaml
+    import yaml
 
-        Path(topo_path).write_text(yaml.safe_dump(testbed_topology(cfg, cfg.rate_high).to_dict()))
-        argv += ["--hybridep-plan", "auto", "--hybridep-topology", topo_path,
-                 "--hybridep-replan-interval", str(cfg.interval)]
+    topo_path = os.path.join(tmp, "topology.yaml")  # every run: what the scheduler calibrates against
+    Path(topo_path).write_text(yaml.safe_dump(testbed_topology(cfg, cfg.rate_high).to_dict()))
+    argv += ["--hybridep-topology", topo_path]
+    if kind in ("adaptive", "stable"):
+        argv += ["--hybridep-plan", "auto", "--hybridep-replan-interval", str(cfg.interval)]
     else:
         plan_path = os.path.join(tmp, f"{kind}.json")
         plans["a" if kind == "fixed_a" else "b"].save(plan_path)
@@ -226,16 +227,30 @@ def run_once(tb: Any, cfg: DemoConfig, kind: str, plans: dict[str, Any], tmp: st
     return out
 
 
+def _settled(rows: list[dict[str, Any]], first: int, last: int) -> tuple[float, float]:
+    """(measured, predicted) median step over the second half of iterations first..last: the
+    scheduler's windows hold only that segment's samples there. NaN where nothing was predicted."""
+    sel = [r for r in rows if (first + last) // 2 < r["iteration"] <= last]
+    pred = [r["predicted_current_s"] for r in sel if r.get("predicted_current_s")]
+    nan = float("nan")
+    return (statistics.median(r["step_s"] for r in sel) if sel else nan, statistics.median(pred) if pred else nan)
+
+
 def summarise(kind: str, repeat: int, res: dict[str, Any], cfg: DemoConfig) -> dict[str, Any]:
     rows = res["rows"]
     before = [r["step_s"] for r in rows if r["iteration"] <= cfg.change_at]
     after = [r["step_s"] for r in rows if r["iteration"] > cfg.change_at]
     switches = [(r["iteration"], r["plan"]) for r in rows if r["switched"]]
+    # the scheduler's prediction of the running plan's step, and of the plan it switched to
+    (mb, pb), (ma, pa) = _settled(rows, 1, cfg.change_at), _settled(rows, cfg.change_at + 1, cfg.iters)
+    chosen = [r["predicted_best_s"] for r in rows if r["switched"] and r.get("predicted_best_s")]
     return {"run": kind, "repeat": repeat, "total_s": res["loop_s"], "startup_s": res["startup_s"],
             "median_before_s": statistics.median(before) if before else float("nan"),
             "median_after_s": statistics.median(after) if after else float("nan"),
             "first_plan": rows[0]["plan"], "last_plan": rows[-1]["plan"], "switches": switches,
-            "changed_at": res["changed_at"]}
+            "changed_at": res["changed_at"], "settled_before_s": mb, "predicted_before_s": pb,
+            "settled_after_s": ma, "predicted_after_s": pa,
+            "predicted_switch_to_s": chosen[-1] if chosen else float("nan")}
 
 
 def write_outputs(cfg: DemoConfig, results: list[tuple[str, int, dict[str, Any]]],
@@ -243,7 +258,7 @@ def write_outputs(cfg: DemoConfig, results: list[tuple[str, int, dict[str, Any]]
     out.mkdir(parents=True, exist_ok=True)
     csv_path = out / f"{cfg.name}.csv"
     keys = ["run", "repeat", "iteration", "step_s", "plan", "switched", "best", "predicted_current_s",
-            "predicted_best_s", "compute_s", "bw_dc_gbps", "bw_gpu_gbps"]
+            "predicted_best_s", "compute_s", "network_factor", "bw_dc_gbps", "bw_gpu_gbps"]
     with open(csv_path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
@@ -297,6 +312,17 @@ def report(cfg: DemoConfig, plans: dict[str, Any], summaries: list[dict[str, Any
         lines.append(f"{kind:<9} {statistics.median(totals):17.2f} {' '.join(f'{t:.2f}' for t in totals):>22} "
                      f"{statistics.median(s['median_before_s'] for s in mine) * 1e3:10.1f} "
                      f"{statistics.median(s['median_after_s'] for s in mine) * 1e3:9.1f}  {sw}")
+    lines.append("the scheduler's prediction (median over each segment's second half; switch: its prediction of "
+                 "the plan it switched to, against that plan's settled step)")
+    lines.append(f"{'run':<9} {'before: measured / predicted ms':>32} {'after: measured / predicted ms':>32}  "
+                 "switch: predicted")
+    for s in summaries:
+        def cell(m: float, p: float) -> str:
+            return "n/a" if p != p else f"{m * 1e3:.0f} / {p * 1e3:.0f} ({p / m - 1:+.1%})"
+        sw = s.get("predicted_switch_to_s", float("nan"))
+        lines.append(f"{s['run']:<9} {cell(s['settled_before_s'], s['predicted_before_s']):>32} "
+                     f"{cell(s['settled_after_s'], s['predicted_after_s']):>32}  "
+                     f"{cell(s['settled_after_s'], sw) if sw == sw else 'no switch'}")
     return "\n".join(lines)
 
 

@@ -141,7 +141,7 @@ class Calibration:
             activation_bytes=FP32, weight_bytes=FP32, grad_bytes=FP32,
             t_pre_ms=self.t_pre_s / shape.num_layers / micro_batches * 1e3, throughput_tflops=tflops,
             compression_ratio=compression_ratio, grad_compression_ratio=compression_ratio,
-            shared_sync_bytes_per_layer=shared_sync_bytes_per_layer, name=shape.name,
+            shared_sync_bytes_per_layer=shared_sync_bytes_per_layer, name=shape.name, backend="gloo",
             borrowed_copies="iteration" if hold_copies else "microbatch")
 
 

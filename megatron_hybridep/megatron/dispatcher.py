@@ -47,11 +47,39 @@ def _record(stats: Stats, layer: int, phase: str, splits: Any, me: int, row_byte
             stats.add(layer, phase, "rail", n * row_bytes, 0.0, level=levels[pos] if levels else "all")
 
 
+class _Stamp(torch.autograd.Function):
+    """Identity whose backward calls ``mark()``: one on a collective's input and one on its output
+    bracket that collective's transpose in the backward pass (the output's runs first)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mark: Any) -> torch.Tensor:  # noqa: ANN401
+        ctx.mark = mark
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN401
+        ctx.mark()
+        return grad, None
+
+
+def _time_backward(x: torch.Tensor, call: Any, record: Any) -> Any:  # noqa: ANN401
+    """``call(x)`` whose backward transpose is timed: ``record(seconds)`` once it has run. Only when
+    ``x`` needs a gradient (training); the first tensor of a tuple output carries the stamp."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return call(x)
+    t: dict[str, float] = {}
+    x = _Stamp.apply(x, lambda: record(time.perf_counter() - t.pop("end", time.perf_counter())))
+    out = call(x)
+    end = _Stamp.apply(out[0] if isinstance(out, tuple) else out, lambda: t.__setitem__("end", time.perf_counter()))
+    return (end, *out[1:]) if isinstance(out, tuple) else end
+
+
 def instrument(dispatcher: MoEAlltoAllTokenDispatcher, stats: Stats, layer: int,
                levels: tuple[str, ...] | None = None) -> None:
     """Count routing, bytes sent to other ranks and time of an all-to-all dispatcher instance
-    (hybridep or Megatron's own, so both are measured the same way). Backward traffic is the
-    transpose of the forward: same bytes, reverse direction."""
+    (hybridep or Megatron's own, so both are measured the same way). The backward pass runs the
+    transposes (same bytes, reverse direction: what this rank received): timed as TOKEN_A2A_BWD, so
+    a training step's blocking token traffic is all timed (the scheduler's compute excludes it)."""
     preprocess, dispatch, combine = (dispatcher.dispatch_preprocess, dispatcher.token_dispatch,
                                      dispatcher.token_combine)
 
@@ -59,18 +87,24 @@ def instrument(dispatcher: MoEAlltoAllTokenDispatcher, stats: Stats, layer: int,
         stats.add_routing(layer, routing_map.sum(dim=0).cpu().numpy())
         return preprocess(hidden_states, routing_map, probs)
 
+    def backward_record(splits: Any, row: int) -> Any:  # noqa: ANN401
+        splits = None if splits is None else np.asarray(splits.cpu() if torch.is_tensor(splits) else splits).copy()
+        return lambda seconds: _record(stats, layer, Phase.TOKEN_A2A_BWD, splits, dispatcher.ep_rank, row, levels,
+                                       seconds)
+
     def token_dispatch(hidden_states: torch.Tensor, probs: torch.Tensor):  # noqa: ANN202
         t0 = time.perf_counter()
-        out = dispatch(hidden_states, probs)
         row = hidden_states.shape[-1] * hidden_states.element_size() + (0 if probs is None else probs.element_size())
+        out = _time_backward(hidden_states, lambda x: dispatch(x, probs),
+                             backward_record(dispatcher.output_splits, row))
         _record(stats, layer, Phase.TOKEN_DISPATCH, dispatcher.input_splits, dispatcher.ep_rank, row, levels,
                 time.perf_counter() - t0)
         return out
 
     def token_combine(hidden_states: torch.Tensor):  # noqa: ANN202
         t0 = time.perf_counter()
-        out = combine(hidden_states)
         row = hidden_states.shape[-1] * hidden_states.element_size()
+        out = _time_backward(hidden_states, combine, backward_record(dispatcher.input_splits, row))
         _record(stats, layer, Phase.TOKEN_COMBINE, dispatcher.output_splits, dispatcher.ep_rank, row, levels,
                 time.perf_counter() - t0)
         return out

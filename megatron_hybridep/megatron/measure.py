@@ -29,6 +29,13 @@ def enable(topology: Topology, stats: Stats | None = None) -> Stats:
     return _STATE["stats"]
 
 
+def next_layer() -> int:
+    """A key for the next MoE layer built (1-based, in build order): Megatron sets layer_number only
+    after the MoE layer's __init__, where its dispatcher is instrumented."""
+    _STATE["layers"] = _STATE.get("layers", 0) + 1
+    return _STATE["layers"]
+
+
 def disable() -> None:
     _STATE.clear()
 

@@ -106,8 +106,8 @@ class HybridEPMoELayer(MoELayer):
         self._shared = (SharedExpert(runtime.ep_group, self.config.num_moe_experts, cfg.shared_refresh_every)
                         if cfg.compresses_weights and cfg.use_shared else None)
         self._pg_collection = pg_collection
+        self._index = runtime.register_layer(self)  # before the plans' machinery: it keys their statistics
         self._plan_state = [self._build_for_plan(g, pg_collection) for g in runtime.groups]
-        self._index = runtime.register_layer(self)
         self._replica_out: torch.Tensor | None = None
         self.token_dispatcher = self._plan_state[runtime.active].dispatcher
 
@@ -117,7 +117,7 @@ class HybridEPMoELayer(MoELayer):
         if stats is None or not isinstance(self.token_dispatcher, MoEAlltoAllTokenDispatcher):
             return
         ranks = dist.get_process_group_ranks(self.token_dispatcher.ep_group)
-        instrument(self.token_dispatcher, stats, self._layer_key(), measure.levels_towards(ranks, dist.get_rank()))
+        instrument(self.token_dispatcher, stats, measure.next_layer(), measure.levels_towards(ranks, dist.get_rank()))
 
     @property
     def _active(self) -> PlanState:
@@ -166,7 +166,9 @@ class HybridEPMoELayer(MoELayer):
         self._plan_state.append(self._build_for_plan(groups, self._pg_collection))
 
     def _layer_key(self) -> int:
-        return int(self.layer_number or 0)
+        """This rank's MoE layer ordinal, 1-based: the statistics' key. Not layer_number: Megatron sets
+        it after __init__, so every layer's machinery was keyed 0 (one layer's routing counted twice)."""
+        return self._index + 1
 
     def _defer(self) -> bool:
         return self._runtime.defer_grad_return

@@ -11,8 +11,8 @@ Beyond the paper's stream model (paper_model.py) it counts, per MoE layer and mi
   combine + T_pre + the dispatch. All-to-alls count as cover only when they use no link level the
   gather uses (else they share bandwidth: the simulator resolves that, not this);
 - the gradient return of borrowed experts to their owners, blocking, in the backward
-  (runtime/migration.py: a reduce-scatter ring, or an all-to-all of top-k payloads when gradients
-  are compressed);
+  (runtime/migration.py: a reduce-scatter ring, or an all-to-all of the chunks when gradients are
+  compressed (top-k payloads) or the backend is gloo, whose reduce-scatter would send twice the bytes);
 - how often those two run is the borrowed-copies mode (``Workload.borrowed_copies``, the runtime's
   --hybridep-borrowed-copies): "iteration" gathers in the first micro-batch only, keeps the copies
   for the iteration and returns the accumulated gradients once, in the last micro-batch's backward;
@@ -280,7 +280,7 @@ class CostModel:
             if S > 1:
                 dom = domain_family(lay, S_world)
                 ag = net.ring(dom, (S - 1) * own * w.expert_wire_bytes, S - 1)
-                if w.grad_compression_ratio > 1:  # top-k payloads by all_to_all in the domain
+                if w.grad_compression_ratio > 1 or w.backend == "gloo":  # chunks by all_to_all in the domain
                     rs = net.a2a(dom, own * w.returned_grad_bytes(mode))
                 else:
                     rs = net.ring(dom, (S - 1) * own * w.returned_grad_bytes(mode), S - 1)

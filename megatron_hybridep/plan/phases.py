@@ -18,7 +18,7 @@ class Phase(StrEnum):
     EXPERT_COMPUTE = "expert_compute"                  # expert MLPs: forward + backward
     TOKEN_A2A = "token_a2a"                            # every token all-to-all, both directions
     TOKEN_A2A_FWD = "token_a2a_fwd"                    # forward dispatch + combine
-    TOKEN_A2A_BWD = "token_a2a_bwd"                    # their transposes in the backward pass
+    TOKEN_A2A_BWD = "token_a2a_bwd"                    # their transposes in the backward pass (also measured)
     TOKEN_DISPATCH = "token_dispatch"                  # one measured dispatch all-to-all
     TOKEN_COMBINE = "token_combine"                    # one measured combine all-to-all
     EXPERT_ALLGATHER = "expert_allgather"              # borrowed expert copies gathered in a domain
@@ -37,6 +37,6 @@ EXPOSED: tuple[Phase, ...] = (
 # what hot replicas add to EXPOSED (plan/hot.py)
 REPLICA: tuple[Phase, ...] = (Phase.REPLICA_WEIGHTS, Phase.REPLICA_GRAD_RETURN)
 # the runtime's collectives the training step waits on (the rest are prefetched or overlapped)
-BLOCKING: tuple[Phase, ...] = (Phase.TOKEN_DISPATCH, Phase.TOKEN_COMBINE, Phase.GRAD_RETURN)
+BLOCKING: tuple[Phase, ...] = (Phase.TOKEN_DISPATCH, Phase.TOKEN_COMBINE, Phase.TOKEN_A2A_BWD, Phase.GRAD_RETURN)
 
 __all__ = ["BLOCKING", "EXPOSED", "REPLICA", "Phase"]

@@ -18,6 +18,7 @@ from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.fields import FieldReader, load_yaml
 
 BORROWED_COPIES = ("auto", "iteration", "microbatch")
+BACKENDS = ("nccl", "gloo")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class Workload:
     dense_params: int | None = None          # all non-expert params (None = estimated from the shape)
     borrowed_copies: str = "auto"            # "iteration": gather borrowed experts once per step and return their
     #   gradients once; "microbatch": both in every micro-batch; "auto": iteration when its held memory fits
+    backend: str = "nccl"                    # torch.distributed backend of the collectives: under gloo an exact
+    #   gradient return is an all-to-all of chunks (runtime/migration.py), not a reduce-scatter ring
     throughput_tflops: float = 100.0         # achieved dense throughput per rank, to estimate compute times
     t_pre_ms: float | None = None            # measured compute before the experts (fwd, per MoE layer)
     compression_ratio: float = 1.0           # parameters / values kept when shipping an expert (top-k residual)
@@ -82,6 +85,8 @@ class Workload:
              "dense_params", "must be an integer >= 0", "count the non-expert parameters, or leave it out")
         need(self.borrowed_copies in BORROWED_COPIES, "borrowed_copies",
              f"must be one of {', '.join(BORROWED_COPIES)}", "use auto unless forcing a mode")
+        need(self.backend in BACKENDS, "backend", f"must be one of {', '.join(BACKENDS)}",
+             "use nccl on GPUs, gloo on CPU ranks")
         need(self.pipeline_model_parallel_size <= self.layers, "pipeline_model_parallel_size",
              f"cannot exceed the {self.layers} layers", "use fewer pipeline stages")
         need(self.top_k <= self.num_experts, "top_k", f"cannot exceed num_experts={self.num_experts}",

@@ -12,21 +12,27 @@ boundary, identically on every rank (one all-reduce; the decision is a pure func
 all-reduce runs in the background during the next iteration (``overlap``): a decision at iteration i
 uses iteration i-1's numbers, so the scheduler never waits for the slowest rank or the WAN.
 
-Bandwidth of a level = bytes / seconds of the blocking collectives (token all-to-alls, gradient
-returns) whose coarsest link is that level: a call that crosses the WAN is timed as WAN traffic, its
-intra-DC bytes travel in parallel. The seconds are the *minimum* over ranks: a blocking collective
-on the rank that arrives last has no peer to wait for, so its time is transfer time, not the
-compute skew the early ranks spend waiting (which made small transfers look 2-5x slower than the
-link). Calls shorter than ``min_call_s`` are overhead-bound (on a busy CPU gloo spends ~10 ms per call
-whatever the link), so such a sample stands for the configured rate, not a measured one. Each level's
-estimate is the median of its last ``window`` samples: one outlier never moves it, and a real change
-(a WAN rate drop) is adopted after ``window // 2 + 1`` samples.
+Bandwidth of a level = bytes / seconds of the blocking collectives (token all-to-alls both ways,
+gradient returns) whose coarsest link is that level: a call that crosses the WAN is timed as WAN
+traffic, its intra-DC bytes travel in parallel. The seconds are the *minimum* over ranks: a blocking
+collective on the rank that arrives last has no peer to wait for, so its time is transfer time, not
+the compute skew the early ranks spend waiting (which made small transfers look 2-5x slower than the
+link, and a straggler rank made every link look slow). The price: its peers' bytes were already
+moving when it arrived, so a long call under skew reads fast (the 20 Mbit/s replan demo: 0-15%).
+Compute is the same rank's view: the slowest rank's iteration minus its collectives. Calls shorter
+than ``min_call_s`` are overhead-bound (on a busy CPU gloo spends ~10 ms per call whatever the link),
+so such a sample stands for the configured rate, not a measured one. Each level's estimate is the
+median of its last ``window`` samples: one outlier never moves it, and a real change (a WAN rate
+drop) is adopted after ``window // 2 + 1`` samples. Last, every level is scaled by one factor so that
+the running plan's modelled communication equals its measured one (``_fitted``): the other plans are
+priced with the same network.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -38,7 +44,7 @@ from megatron_hybridep.plan.cost import CostModel
 from megatron_hybridep.plan.phases import BLOCKING, Phase
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.planner import Replan, evaluate_plan, replan, with_hot_plans
-from megatron_hybridep.plan.topology import Level, Topology
+from megatron_hybridep.plan.topology import Topology
 from megatron_hybridep.plan.workload import Workload
 from megatron_hybridep.runtime.context import HybridEPRuntime
 from megatron_hybridep.runtime.instrument import Stats
@@ -78,6 +84,7 @@ class Measurement:
     level_seconds: dict[str, float]     # their time (min over ranks: transfer without waiting for peers)
     level_calls: dict[str, float] | None = None  # how many calls that was (None: one)
     compute_s: float = 0.0              # the iteration minus its timed collectives, slowest rank (0: unknown)
+    iteration_s: float = 0.0            # the iteration's wall time, slowest rank (0: unknown)
 
 
 def blocking_by_level(stats: Stats, levels: tuple[str, ...]) -> tuple[list[float], list[float], list[float]]:
@@ -107,6 +114,7 @@ class Decision:
     switched: bool
     bandwidth_gbps: dict[str, float]
     compute_s: float | None = None      # measured compute per iteration the decision used
+    network_factor: float = 1.0         # measured / modelled communication of the running plan (see _costed)
 
 
 @dataclass
@@ -124,11 +132,14 @@ class PlanScheduler:
     _pending: tuple | None = None       # the statistics all-reduce in flight (overlap)
     compute_s: float | None = None      # measured compute per iteration (median of the window); None: not yet
     _compute: list[float] = field(default_factory=list)
+    iteration_s: float | None = None    # measured wall time per iteration (median of the window)
+    _iteration: list[float] = field(default_factory=list)
+    network_factor: float = 1.0         # of the last cost-model run
     _tick: float | None = None          # perf_counter at the previous step(): an iteration's wall time
 
     def __post_init__(self) -> None:
         # per-rank rate of each level as configured: what an overhead-bound sample stands for
-        self._configured = {lv.name: lv.bandwidth_gbps for lv in self.topology.levels if isinstance(lv, Level)}
+        self._configured = {lv.name: per_rank_gbps(self.topology, i) for i, lv in enumerate(self.topology.levels)}
 
     # ---- measurement ---------------------------------------------------------------------------
     def measure(self, iteration_s: float = 0.0) -> Measurement:
@@ -137,23 +148,24 @@ class PlanScheduler:
 
     def _launch(self, iteration_s: float = 0.0) -> tuple:
         """Start one MIN all-reduce of this interval's statistics so every rank decides on the same
-        numbers: per-rank rows (routing, bytes) are +inf on the other ranks, so MIN gathers them; the
-        seconds are a true minimum over ranks. The tensor is built now: the stats may be reset after."""
+        numbers: per-rank rows (routing, bytes, seconds, calls, compute) are +inf on the other ranks, so
+        MIN gathers them. The tensor is built now: the stats may be reset after."""
         stats, plan = self.runtime.stats, self.runtime.plan
         g, e = plan.ep_size, plan.num_experts
         levels = tuple(self.topology.level_names)
         me = self.runtime.active_groups.ep_rank
-        rows = np.full((g, e + len(levels) + 1), np.inf)
+        nl = len(levels)
+        rows = np.full((g, e + 3 * nl + 2), np.inf)
         rows[me, :e] = (sum(stats.tokens_per_expert.values()) / len(stats.tokens_per_expert)
                         if stats.tokens_per_expert else 0.0)
         nbytes, secs, ncalls = blocking_by_level(stats, levels)
-        rows[me, e:-1] = nbytes
+        rows[me, e:-2] = nbytes + secs + ncalls
         # compute = the iteration's wall time minus what this rank spent in timed collectives (the dense
         # gradient all-reduce included: tier b prices it as its own phase): calibrates the cost model's
         # compute (everything it does not model, every plan pays alike, lands here too)
         comm = stats.seconds_by()  # per-level records carry bytes only: each call's time counts once
-        rows[me, -1] = max(0.0, iteration_s - comm) if iteration_s > 0 else 0.0
-        t = torch.from_numpy(np.concatenate([rows.ravel(), secs, ncalls]))
+        rows[me, -2:] = (max(0.0, iteration_s - comm) if iteration_s > 0 else 0.0, iteration_s)
+        t = torch.from_numpy(rows.ravel())
         if dist.get_backend(self.runtime.ep_group) == "nccl":  # NCCL reduces device tensors only
             t = t.cuda()
         work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.runtime.ep_group, async_op=True)
@@ -163,13 +175,12 @@ class PlanScheduler:
     def _finish(pending: tuple) -> Measurement:
         work, t, g, e, levels = pending
         work.wait()
-        flat = t.cpu().numpy()
         nl = len(levels)
-        n = g * (e + nl + 1)
-        rows = flat[:n].reshape(g, e + nl + 1)
-        return Measurement(rows[:, :e].copy(), dict(zip(levels, rows[:, e:-1].sum(axis=0).tolist(), strict=True)),
-                           dict(zip(levels, flat[n:n + nl].tolist(), strict=True)),
-                           dict(zip(levels, flat[n + nl:].tolist(), strict=True)), float(rows[:, -1].max()))
+        rows = t.cpu().numpy().reshape(g, e + 3 * nl + 2)
+        per_level = lambda a: dict(zip(levels, a.tolist(), strict=True))  # noqa: E731
+        nbytes, secs, calls = (rows[:, e + i * nl:e + (i + 1) * nl] for i in range(3))
+        return Measurement(rows[:, :e].copy(), per_level(nbytes.sum(axis=0)), per_level(secs.min(axis=0)),
+                           per_level(calls.max(axis=0)), float(rows[:, -2].max()), float(rows[:, -1].max()))
 
     # ---- decision (pure: same inputs, same answer on every rank) -----------------------------
     def update_estimates(self, m: Measurement) -> None:
@@ -187,6 +198,8 @@ class PlanScheduler:
                 self.bandwidth_gbps[name] = self._windowed(self._samples.setdefault(name, []), rate)
         if m.compute_s > 0:
             self.compute_s = self._windowed(self._compute, m.compute_s)
+        if m.iteration_s > 0:
+            self.iteration_s = self._windowed(self._iteration, m.iteration_s)
 
     def _windowed(self, samples: list[float], value: float) -> float:
         """Add a sample, keep the last `window`, return their median."""
@@ -195,10 +208,17 @@ class PlanScheduler:
         return float(np.median(samples))
 
     def measured_topology(self) -> Topology:
-        levels = tuple(dataclasses.replace(lv, bandwidth_gbps=self.bandwidth_gbps.get(lv.name, lv.bandwidth_gbps),
-                                           uplink_gbps=None if lv.name in self.bandwidth_gbps else lv.uplink_gbps)
-                       if isinstance(lv, Level) else lv for lv in self.topology.levels)
-        return Topology(levels, self.topology.name, self.topology.description, source="measured")
+        """The configured topology with each measured level scaled by measured / configured per-rank
+        rate, its uplink included: the measurement is one rank's share when all ranks of its unit send
+        (2 ranks of a DC behind one uplink get half each), while a one-flow-per-uplink collective (the
+        dense ring all-reduce, a gather) gets the whole uplink: replacing the level by the per-rank
+        rate priced those at half the link (the replan demo predicted +64-105% at 20 Mbit/s)."""
+        levels = []
+        for lv in self.topology.levels:
+            f = self.bandwidth_gbps[lv.name] / self._configured[lv.name] if lv.name in self.bandwidth_gbps else 1.0
+            levels.append(dataclasses.replace(lv, bandwidth_gbps=lv.bandwidth_gbps * f, uplink_gbps=None
+                                              if lv.uplink_gbps is None else lv.uplink_gbps * f))
+        return dataclasses.replace(self.topology, levels=tuple(levels), source="measured")
 
     def _costed(self) -> Replan:
         """replan() on the current estimates, or its last answer while no input (bandwidth per level,
@@ -206,7 +226,9 @@ class PlanScheduler:
         model is most of the scheduler's time, and steady estimates give the same answer."""
         bw = dict(self.bandwidth_gbps)
         if self.compute_s:
-            bw["compute"] = self.compute_s  # an input like the others (same tolerance)
+            bw["compute"] = self.compute_s  # inputs like the others (same tolerance)
+        if self.iteration_s:
+            bw["iteration"] = self.iteration_s
         inputs = (self.runtime.active, bw, None if self.routing is None else self.routing.copy())
         if self._cache is not None and _close(self._cache[0], inputs, self.config.recost_tolerance):
             return self._cache[1]
@@ -215,10 +237,31 @@ class PlanScheduler:
         topology = self.measured_topology()
         if self.compute_s:
             workload = calibrated(topology, workload, self.runtime.plan, self.compute_s)
+            topology = self._fitted(topology, workload)
         r = replan(topology, workload, self.runtime.plan, horizon_iterations=self.config.horizon,
                    candidates=self.candidates(CostModel(topology, workload)))
         self._cache = (inputs, r)
         return r
+
+    def _fitted(self, topology: Topology, workload: Workload) -> Topology:
+        """Every level's rates divided by measured / modelled communication of the running plan (the
+        slowest rank's iteration minus its compute, against the cost model's exposed communication at
+        the measured rates): the per-level rates come from the blocking calls alone and the minimum
+        over ranks reads them fast under skew, while gloo's ring all-reduce and gathers run below the
+        model's rate (the 20 Mbit/s replan demo: 13-18% under-predicted without it). Refitted once
+        the running plan has a full window of step times (after a switch, the factor the switch was
+        decided with stays until then); 1 while the communication is overhead-bound (< 2 x
+        min_call_s): a ratio of two noises."""
+        if self.iteration_s and len(self._iteration) >= self.config.window:
+            measured, f = self.iteration_s - (self.compute_s or 0.0), 1.0
+            if measured >= 2 * self.config.min_call_s:
+                for _ in range(4):  # fixed point: exposed time is not linear in the rates (overlap)
+                    modelled = _exposed_comm(_scaled(topology, f), workload, self.runtime.plan)
+                    if modelled <= 0 or abs(modelled / measured - 1) < 1e-3:
+                        break
+                    f *= measured / modelled
+            self.network_factor = f
+        return _scaled(topology, self.network_factor)
 
     def candidates(self, model: CostModel) -> list[Plan]:
         """The prebuilt plans, plus a hot-replica variant of each plan without replicas once routing
@@ -249,10 +292,12 @@ class PlanScheduler:
                     "n/a" if self.compute_s is None else f"{self.compute_s:.4g}")
                 self.runtime.switch(self.runtime.adopt(r.plan))
                 self._streak = 0
+                self._iteration.clear()  # the old plan's step times: no network fit until the new plan's
+                self.iteration_s = None
                 switched = True
         else:
             self._streak = 0
-        d = Decision(iteration, r, switched, dict(self.bandwidth_gbps), self.compute_s)
+        d = Decision(iteration, r, switched, dict(self.bandwidth_gbps), self.compute_s, self.network_factor)
         self.history.append(d)
         return d
 
@@ -278,6 +323,28 @@ class PlanScheduler:
         if self._pending is not None:
             self._pending[0].wait()
             self._pending = None
+
+
+def _scaled(topology: Topology, f: float) -> Topology:
+    """Every level's rates divided by f."""
+    if f == 1.0:
+        return topology
+    return dataclasses.replace(topology, levels=tuple(dataclasses.replace(
+        lv, bandwidth_gbps=lv.bandwidth_gbps / f, uplink_gbps=None if lv.uplink_gbps is None else lv.uplink_gbps / f)
+        for lv in topology.levels))
+
+
+def _exposed_comm(topology: Topology, workload: Workload, plan: Plan) -> float:
+    c = evaluate_plan(CostModel(topology, workload), plan)
+    return c.total - c.phases[Phase.PRE_COMPUTE] - c.phases[Phase.EXPERT_COMPUTE]
+
+
+def per_rank_gbps(topology: Topology, i: int) -> float:
+    """Configured rate of one rank's flow over level ``i`` while every rank of its unit sends at once
+    (what a blocking collective of all ranks measures per rank): the sibling link or an equal share of
+    the unit's uplink, whichever is smaller."""
+    lv, inside = topology.levels[i], math.prod(topology.level_counts[i + 1:])
+    return lv.bandwidth_gbps if lv.uplink_gbps is None else min(lv.bandwidth_gbps, lv.uplink_gbps / inside)
 
 
 def calibrated(topology: Topology, workload: Workload, plan: Plan, compute_s: float) -> Workload:

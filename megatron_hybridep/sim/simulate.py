@@ -147,7 +147,7 @@ def ep_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLa
         own = E // G
         dom = _local(domain_family(lay, S_world), o)
         colls.append(Collective("gather", RING, dom, (S - 1) * own * w.expert_wire_bytes, S - 1))
-        if w.grad_compression_ratio > 1:  # top-k payloads by all_to_all_single in the domain
+        if w.grad_compression_ratio > 1 or w.backend == "gloo":  # chunks by all_to_all_single in the domain
             colls.append(Collective(Phase.GRAD_RETURN, A2A, dom, own * w.returned_grad_bytes(mode), 1))
         else:                               # reduce_scatter: a ring
             colls.append(Collective(Phase.GRAD_RETURN, RING, dom, (S - 1) * own * w.returned_grad_bytes(mode), S - 1))

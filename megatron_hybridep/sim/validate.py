@@ -243,6 +243,7 @@ def _bench_points(rows: list[dict[str, str]], path: str, summary_path: str) -> l
                         num_moe_layers=layers, num_layers=layers, seq_length=seq, micro_batch_size=mbs,
                         activation_bytes=4, weight_bytes=4, grad_bytes=4, throughput_tflops=0.05,
                         name=str(model.get("name", "bench")), micro_batches=int(_num(r, "micro_batches", w, 1)),
+                        backend="gloo",
                         borrowed_copies=copies)
         system = r["system"].lower()
         if system == "hybridep-compressed":
@@ -268,7 +269,7 @@ def _point(r: dict[str, str], where: str, i: int) -> BenchPoint:
         num_experts=int(_num(r, "num_experts", where)), top_k=int(_num(r, "top_k", where, 2)),
         num_moe_layers=layers, num_layers=layers, seq_length=seq, micro_batch_size=mbs,
         micro_batches=int(_num(r, "micro_batches", where, 1)), activation_bytes=nbytes, weight_bytes=nbytes,
-        grad_bytes=nbytes, throughput_tflops=_num(r, "throughput_tflops", where, 0.05))
+        grad_bytes=nbytes, throughput_tflops=_num(r, "throughput_tflops", where, 0.05), backend="gloo")
     ratio = _num(r, "compression_ratio", where, 1.0)
     if ratio > 1:
         kw.update(compression_ratio=ratio, grad_compression_ratio=ratio)

@@ -148,9 +148,11 @@ def run(args: argparse.Namespace, collect_params: bool = False,
     saved = False
     from megatron_hybridep.train.launch import progress  # the launcher's stall monitor (no-op elsewhere)
 
-    def after_step() -> Any:
+    def after_step(result: gpt.StepResult) -> Any:
         lr_scheduler.step(increment=args.global_batch_size)
-        return scheduler.step(iteration + 1) if scheduler is not None else None
+        decision = scheduler.step(iteration + 1) if scheduler is not None else None  # reads the stats
+        reporter.reduce(result.loss)  # resets the stats
+        return decision
 
     while iteration < args.train_iters:
         t0 = time.perf_counter()
@@ -160,7 +162,7 @@ def run(args: argparse.Namespace, collect_params: bool = False,
         iteration += 1
         decision = out.after_step
         seconds = time.perf_counter() - t0
-        reporter.step(iteration, out.loss, seconds, out.grad_norm, lr_scheduler, decision)
+        reporter.step(iteration, seconds, out.grad_norm, lr_scheduler, decision)
         progress(iteration, "checkpoint save" if args.save else "end of iteration", step_seconds=seconds)
         if on_iteration is not None:
             on_iteration(iteration, seconds, decision)

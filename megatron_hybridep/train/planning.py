@@ -73,7 +73,8 @@ def workload_for(args: argparse.Namespace) -> Workload:
                                getattr(args, "data_parallel_size", None) or 0)
     return w.replace(compression_ratio=args.hybridep_compression_ratio,
                      grad_compression_ratio=args.hybridep_grad_compression_ratio,
-                     borrowed_copies=getattr(args, "hybridep_borrowed_copies", None) or "auto")
+                     borrowed_copies=getattr(args, "hybridep_borrowed_copies", None) or "auto",
+                     backend="gloo" if getattr(args, "distributed_backend", "nccl") == "gloo" else "nccl")
 
 
 def migration_from_args(args: argparse.Namespace) -> MigrationConfig:

@@ -45,6 +45,7 @@ class Reporter:
             self.tb = SummaryWriter(args.tensorboard_dir)
         self.tokens_per_iter = args.global_batch_size * args.seq_length
         self.predicted = choice.plan.predicted.get("total") if choice is not None else None
+        self._reduced = (math.nan, 0.0, 0.0)  # (loss, inter-DC bytes, exposed s) of the last reduce()
         if rank == 0:
             self._header()
 
@@ -72,32 +73,31 @@ class Reporter:
                     mark = "*" if c.plan == self.choice.plan else " "
                     print(f"   {mark} {c.plan.label:<28} {c.cost.total * 1e3:9.2f} ms")
 
-    def _comm(self) -> tuple[float, float]:
-        """(inter-DC bytes this iteration summed over ranks, every system counted alike (measure.py);
-        exposed hybridep communication seconds on this rank)."""
+    def reduce(self, loss: float) -> None:
+        """The iteration's collectives for the log, in one all-reduce over the world: the loss (only
+        last pipeline stages have one, NaN elsewhere: mean over the ranks that do) and the inter-DC
+        bytes per phase (measure.py; every rank runs the same collectives, so the phase lists agree).
+        Call from run_iteration's after_step: after it, it would queue behind the next gather."""
         from megatron_hybridep.megatron import measure
 
         stats = measure.stats() or (self.runtime.stats if self.runtime is not None else None)
-        if stats is None:
-            return 0.0, 0.0
-        phases = sorted({p for (_, p, _, _) in stats.records} | set(self.summary.inter_dc_by_phase))
-        t = torch.tensor([float(stats.bytes_by(phase=p, level="dc")) for p in phases], dtype=torch.float64)
-        dist.all_reduce(t)  # the phase lists agree: every rank runs the same collectives
-        for p, b in zip(phases, t.tolist(), strict=True):
-            self.summary.inter_dc_by_phase[p] = self.summary.inter_dc_by_phase.get(p, 0.0) + b
-        exposed = (stats.seconds_by(group="rail") + stats.seconds_by(phase=Phase.EXPERT_ALLGATHER)
-                   if self.runtime else 0.0)
-        stats.reset()
-        return float(t.sum().item()), exposed
-
-    def step(self, iteration: int, loss: float, seconds: float, grad_norm: Any, scheduler: Any,
-             decision: Any = None) -> None:
-        # only last pipeline stages have a loss (NaN elsewhere): mean over the ranks that do
+        phases = sorted({p for (_, p, _, _) in stats.records} | set(self.summary.inter_dc_by_phase)) if stats else []
         has = loss == loss
-        t = torch.tensor([loss if has else 0.0, float(has)], dtype=torch.float64)
+        t = torch.tensor([loss if has else 0.0, float(has)] + [float(stats.bytes_by(phase=p, level="dc"))
+                                                              for p in phases], dtype=torch.float64)
         dist.all_reduce(t)
-        loss = (t[0] / t[1]).item()
-        inter_dc, exposed = self._comm()
+        for p, b in zip(phases, t[2:].tolist(), strict=True):
+            self.summary.inter_dc_by_phase[p] = self.summary.inter_dc_by_phase.get(p, 0.0) + b
+        exposed = 0.0
+        if stats is not None and self.runtime is not None:  # this rank's exposed HybridEP communication
+            exposed = stats.seconds_by(group="rail") + stats.seconds_by(phase=Phase.EXPERT_ALLGATHER)
+        if stats is not None:
+            stats.reset()
+        self._reduced = ((t[0] / t[1]).item(), float(t[2:].sum().item()), exposed)
+
+    def step(self, iteration: int, seconds: float, grad_norm: Any, scheduler: Any, decision: Any = None) -> None:
+        """Record and log the iteration whose ``reduce`` ran last."""
+        loss, inter_dc, exposed = self._reduced
         s = self.summary
         s.iterations = iteration
         s.losses.append(loss)

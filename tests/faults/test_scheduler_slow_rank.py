@@ -11,8 +11,15 @@ PRESET = os.path.join(REPO, "configs", "presets", "cpu_demo.yaml")
 
 
 def _run(ctx, argv):
+    import functools
+
     from megatron_hybridep.megatron.arguments import parse
+    from megatron_hybridep.runtime import scheduler
     from megatron_hybridep.train import cpu_loop
+
+    # loopback calls take milliseconds: let them count as measured rates, not as overhead-bound ones;
+    # measured, the plans are within a few % of each other (compute-bound): any gain switches
+    scheduler.SchedulerConfig = functools.partial(scheduler.SchedulerConfig, min_call_s=0.0, min_gain=0.0)
 
     decisions = []
 
@@ -27,10 +34,10 @@ def _run(ctx, argv):
 
 
 def test_slow_rank_during_a_plan_switch_all_ranks_decide_the_same(tmp_path):
-    # configured links far slower than loopback: the start-up plan (EP) is wrong once bandwidth is measured
+    # a configured WAN far slower than loopback: the start-up plan is wrong once bandwidth is measured
     src = open(os.path.join(REPO, "configs", "topologies", "2dc_x_2.yaml")).read()
     topo = tmp_path / "slow.yaml"
-    for old in ("bandwidth_gbps: 10\n", "uplink_gbps: 10\n", "bandwidth_gbps: 40\n"):
+    for old in ("bandwidth_gbps: 10\n", "uplink_gbps: 10\n"):
         src = src.replace(old, old.split(":")[0] + ": 0.001\n")
     topo.write_text(src)
     argv = ["--train-iters", "16", "--log-interval", "100", "--lr-warmup-iters", "1",

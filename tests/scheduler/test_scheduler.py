@@ -12,7 +12,7 @@ from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import Topology
 from megatron_hybridep.plan.workload import Workload
 from megatron_hybridep.runtime.instrument import Stats
-from megatron_hybridep.runtime.scheduler import Measurement, PlanScheduler, SchedulerConfig
+from megatron_hybridep.runtime.scheduler import Measurement, PlanScheduler, SchedulerConfig, per_rank_gbps
 from megatron_hybridep.testing.exactness import FP64_TOL, scaled_error
 from megatron_hybridep.train.launch import run_ranks
 
@@ -61,7 +61,9 @@ def test_measured_bandwidth_and_routing_are_what_was_measured():
     _, s = _scheduler(0, smoothing=1.0)
     s.update_estimates(_m(1024, dc_gbps=2.5))
     assert s.bandwidth_gbps["dc"] == pytest.approx(2.5)
-    assert s.measured_topology().levels[0].bandwidth_gbps == pytest.approx(2.5)
+    # the level is scaled so that one rank's share of the DC uplink (8 ranks behind it) is what was measured
+    assert per_rank_gbps(s.measured_topology(), 0) == pytest.approx(2.5)
+    assert s.measured_topology().levels[0].uplink_gbps == pytest.approx(TOPO.levels[0].uplink_gbps * 2.5 / 1.25)
     assert s.routing.sum() == pytest.approx(16 * 1024 * 2)
 
 
