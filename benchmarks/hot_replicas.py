@@ -39,8 +39,10 @@ import os
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,8 +70,11 @@ def _args(spec: dict, dispatcher: str):  # noqa: ANN201
                       expert_model_parallel_size=spec["world"], extra_config=skew)
 
 
-def _run(spec: dict, state, batches, iters: int) -> tuple[list[float], float]:  # noqa: ANN001
-    """Warm-up + timed steps: per-step seconds (slowest rank) and WAN tx bytes per step per DC."""
+def _run(spec: dict, state, batches, iters: int, stats) -> tuple[list[float], float, float, dict]:  # noqa: ANN001
+    """Warm-up + timed steps: per-step seconds (slowest rank), WAN tx bytes per step per DC, the
+    compute per step: the median step minus this rank's timed collectives (``stats``: token
+    all-to-alls both ways, gathers, returns, replica exchanges, finalize_model_grads), slowest rank,
+    and rank 0's seconds per step of each of those phases (mean over the timed steps)."""
     import torch
     import torch.distributed as dist
 
@@ -81,41 +86,103 @@ def _run(spec: dict, state, batches, iters: int) -> tuple[list[float], float]:  
     dist.barrier()
     local0 = int(os.environ["LOCAL_RANK"]) == 0
     before = wan_counters()[0] if local0 else 0
-    times, last = [], time.perf_counter()
+    times, compute, last = [], [], time.perf_counter()
+    phases0 = {p: stats.seconds_by(phase=p) for p in {p for (_, p, _, _) in stats.records}}
     for tokens, labels in batches[spec["warmup"]:spec["warmup"] + iters]:
+        comm = stats.seconds_by()
         train_step(state, tokens, labels)
         now = time.perf_counter()
         times.append(now - last)
+        compute.append(now - last - (stats.seconds_by() - comm))
         last = now
+    phases = {p: (stats.seconds_by(phase=p) - phases0.get(p, 0.0)) / iters
+              for p in {p for (_, p, _, _) in stats.records}}
     dist.barrier()
     tx = torch.tensor([float(wan_counters()[0] - before) if local0 else 0.0])
     t = torch.tensor(times)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    dist.all_reduce(tx, op=dist.ReduceOp.MAX)
-    return t.tolist(), tx.item() / iters
+    c = torch.tensor([statistics.median(compute)])
+    for x in (t, tx, c):
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return t.tolist(), tx.item() / iters, c.item(), phases
+
+
+def _topology(spec: dict, wan_mbit: float | None = None):  # noqa: ANN202
+    """What the planner is told: the shaped WAN at TCP goodput (or ``wan_mbit``, the measured unshaped
+    one), intra-DC loopback as 20 Gbit/s."""
+    from megatron_hybridep.bench import predict as bp
+    from megatron_hybridep.testbed.selfcheck import TCP_GOODPUT_FRACTION
+
+    wan = spec["rate_mbit"] * TCP_GOODPUT_FRACTION if wan_mbit is None else wan_mbit
+    return bp.testbed_topology(2, spec["world"] // 2, wan, 20000.0)
 
 
 def _plan(spec: dict, counts, timer):  # noqa: ANN001, ANN201
     from megatron_hybridep.bench import predict as bp
     from megatron_hybridep.plan.planner import choose_plan
-    from megatron_hybridep.testbed.selfcheck import TCP_GOODPUT_FRACTION
 
     shape = bp.ModelShape(**{k: v for k, v in spec["model"].items() if k != "seq_length"})
     calib = bp.Calibration(timer["t_pre"], timer["expert_fwd"], timer["expert_rows"])
     work = calib.workload(shape, spec["tokens"], spec["seq"]).replace(routing_counts=counts)
-    topo = bp.testbed_topology(2, spec["world"] // 2, spec["rate_mbit"] * TCP_GOODPUT_FRACTION, 20000.0)
-    return choose_plan(topo, work, spec["world"], include_replicated=False)
+    return work, choose_plan(_topology(spec), work, spec["world"], include_replicated=False)
 
 
-def worker(spec: dict) -> None:
+def _probe(spec: dict, nbytes: int, repeats: int = 5) -> float:
+    """Share of the shaped rate a bare gloo all-to-all of ``nbytes`` per rank gets (the bench's probe,
+    bench/worker.py): the cost model's time for it over the median measured (slowest rank)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hybridep.plan.network import Family, Network
+
+    world = dist.get_world_size()
+    n = max(nbytes // 4 // world, 1) * world
+    x, y, times = torch.ones(n), torch.empty(n), []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_to_all_single(y, x)
+        dt = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        times.append(dt.item())
+    topo = _topology(spec)
+    ideal = Network(topo).a2a(Family(topo.level_counts, (1,) * len(topo.levels)), n * 4 / world)
+    return ideal.seconds / statistics.median(times[1:])
+
+
+def _measure_plans(spec: dict, state, stats, batches, world: int):  # noqa: ANN001, ANN202
+    """From an alltoall EP run: routing counts and compute timings -> the planner's candidates."""
     import numpy as np
     import torch
     import torch.distributed as dist
 
     from megatron_hybridep.bench.worker import PhaseTimer
+
+    n = spec["warmup"] + spec["iters"]
+    timer = PhaseTimer(state.model.module)
+    _run(spec, state, batches, spec["iters"], stats)
+    keys = ("t_pre", "expert_fwd", "expert_rows")  # PhaseTimer sums over layers and the n steps
+    counts = np.zeros((world, spec["model"]["num_experts"]))  # per layer and step, like Workload's
+    counts[dist.get_rank()] = sum(stats.tokens_per_expert.values()) / (len(stats.tokens_per_expert) * n)
+    both = torch.tensor(np.concatenate([counts.ravel(), [timer.t[k] / n for k in keys]]))
+    dist.all_reduce(both)
+    flat = both.numpy()
+    counts = flat[:-3].reshape(world, -1)
+    work, result = _plan(spec, counts, dict(zip(keys, flat[-3:] / world, strict=True)))
+    equal = [c.plan.base for c in result.candidates if not c.plan.replicas]
+    hot = [c.plan for c in result.candidates if c.plan.replicas][:1]
+    return work, result, counts, sorted(equal, key=lambda p: p.domain_size) + hot
+
+
+def worker(spec: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hybridep.bench import predict as bp
+    from megatron_hybridep.bench.control import CONTROL_ENV, ControlClient
     from megatron_hybridep.data.synthetic import MarkovCorpus
-    from megatron_hybridep.megatron import cpu_runtime, setup, teardown
+    from megatron_hybridep.megatron import cpu_runtime, grad_sync, setup, teardown
     from megatron_hybridep.megatron.dispatcher import instrument
+    from megatron_hybridep.plan.phases import Phase
     from megatron_hybridep.runtime.instrument import Stats
     from megatron_hybridep.train.gpt import build, initialize_parallel
 
@@ -123,70 +190,87 @@ def worker(spec: dict) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=spec["timeout"]))
     cpu_runtime.enable()
     rank, world = dist.get_rank(), dist.get_world_size()
+    control = ControlClient(os.environ[CONTROL_ENV]) if rank == 0 else None
     corpus = MarkovCorpus(vocab_size=spec["model"]["vocab_size"])
     n = spec["warmup"] + spec["iters"]
     batches = [corpus.batch(spec["tokens"] // spec["seq"], spec["seq"], rank, s) for s in range(n)]
-    rows: dict[str, list] = {}
-    plans = None
+    rows: dict[str, dict[str, list]] = {"shaped": {}, "unshaped": {}}
+    plans = delta = None
     for repeat in range(spec["repeats"]):
-        # alltoall EP (the first repeat also measures routing and compute for the planner)
-        args = _args(spec, "alltoall")
-        initialize_parallel(args)
-        state = build(args)
-        _skew(spec, state)
-        if plans is None:
-            stats, timer = Stats(), PhaseTimer(state.model.module)
+        # every system unshaped, then shaped: the prediction starts from the unshaped step (as the bench's)
+        for shaped in (False, True):
+            if control is not None:
+                control.request({"op": "rate", "shaped": shaped})
+            dist.barrier()  # the rate is set before any rank sends again
+            mine = rows["shaped" if shaped else "unshaped"]
+            # alltoall EP (the first pass also measures routing and compute for the planner)
+            args = _args(spec, "alltoall")
+            initialize_parallel(args)
+            state = build(args)
+            _skew(spec, state)
+            stats = Stats()
             for i, layer in enumerate(state.model.module.decoder.layers):
                 instrument(layer.mlp.token_dispatcher, stats, i + 1)
-            _run(spec, state, batches, spec["iters"])
-            keys = ("t_pre", "expert_fwd", "expert_rows")  # PhaseTimer sums over layers and the n steps
-            counts = np.zeros((world, spec["model"]["num_experts"]))  # per layer and step, like Workload's
-            counts[rank] = sum(stats.tokens_per_expert.values()) / (len(stats.tokens_per_expert) * n)
-            both = torch.tensor(np.concatenate([counts.ravel(), [timer.t[k] / n for k in keys]]))
-            dist.all_reduce(both)
-            flat = both.numpy()
-            counts = flat[:-3].reshape(world, -1)
-            result = _plan(spec, counts, dict(zip(keys, flat[-3:] / world, strict=True)))
-            equal = [c.plan.base for c in result.candidates if not c.plan.replicas]
-            hot = [c.plan for c in result.candidates if c.plan.replicas][:1]
-            plans = sorted(equal, key=lambda p: p.domain_size) + hot
-            if rank == 0:
-                print(TAG + json.dumps({"event": "plan", "routing": counts.round(1).tolist(),
-                                        "chosen": result.best.label, "plans": [p.to_dict() for p in plans],
-                                        "predicted": {c.plan.label: c.cost.total for c in result.candidates}}),
-                      flush=True)
-            del timer
-        times, tx = _run(spec, state, batches, spec["iters"])
-        rows.setdefault("alltoall EP", []).append((statistics.median(times), tx))
-        del state
-        # hybridep: one model, every plan (switches are exact and rebuild only borrowed copies)
-        args = _args(spec, "hybridep")
-        initialize_parallel(args)
-        runtime = setup(plans, num_experts=args.num_experts)
-        state = build(args)
-        _skew(spec, state)
-        for index, plan in enumerate(plans):
-            runtime.switch(index)
-            times, tx = _run(spec, state, batches, spec["iters"])
-            rows.setdefault(plan.label, []).append((statistics.median(times), tx))
-        teardown()
-        del state
+            grad_sync.time_megatron_finalize(state.config, partial(stats.add, -1, Phase.DENSE_GRAD_ALLREDUCE, "dp", 0))
+            if plans is None:
+                work, result, counts, plans = _measure_plans(spec, state, stats, batches, world)
+            if shaped and delta is None:
+                # shaped minus unshaped network time per plan from the cost model, calibrated as the bench's
+                # (bench/predict.py: token all-to-alls and long gradient returns at the probed share of the
+                # rate, the dense all-reduce from the model's real dense parameter count)
+                eff = _probe(spec, spec["tokens"] * spec["model"]["topk"] * spec["model"]["hidden_size"] * 4)
+                dense = sum(p.numel() for p in state.model.module.parameters() if getattr(p, "allreduce", True))
+                unshaped = _topology(spec, spec["unshaped_mbit"])
+                delta = {p.label: bp.predict(_topology(spec), unshaped, work, p, dense, 0.0, eff, eff).phases
+                         for p in plans}
+                delta["alltoall EP"] = delta[next(p.label for p in plans if p.domain_size == 1 and not p.replicas)]
+                if rank == 0:
+                    print(TAG + json.dumps({
+                        "event": "plan", "routing": counts.round(1).tolist(), "chosen": result.best.label,
+                        "plans": [p.to_dict() for p in plans], "a2a_efficiency": eff, "dense_params": dense,
+                        "planner_total": {c.plan.label: c.cost.total for c in result.candidates},
+                        "delta_phases": delta}), flush=True)
+            times, tx, compute, phases = _run(spec, state, batches, spec["iters"], stats)
+            mine.setdefault("alltoall EP", []).append((statistics.median(times), tx, compute, phases))
+            del state
+            # hybridep: one model, every plan (switches are exact and rebuild only borrowed copies)
+            args = _args(spec, "hybridep")
+            initialize_parallel(args)
+            runtime = setup(plans, num_experts=args.num_experts)
+            state = build(args)
+            _skew(spec, state)
+            for index, plan in enumerate(plans):
+                runtime.switch(index)
+                times, tx, compute, phases = _run(spec, state, batches, spec["iters"], runtime.stats)
+                mine.setdefault(plan.label, []).append((statistics.median(times), tx, compute, phases))
+            teardown()
+            del state
         if rank == 0:
             print(TAG + json.dumps({"event": "repeat", "repeat": repeat, "rows": rows}), flush=True)
     dist.barrier()
+    if control is not None:
+        control.bye()
     dist.destroy_process_group()
 
 
 # ---- the parent -------------------------------------------------------------------------------------
-def _table(rows: dict[str, list]) -> str:
-    ep = statistics.median(t for t, _ in rows["alltoall EP"])
-    out = [f"{'system / plan':28s} {'median ms':>10s} {'spread ms':>15s} {'vs EP':>7s} {'WAN MB/iter/DC':>15s}"]
-    for label, runs in rows.items():
-        med = statistics.median(t for t, _ in runs)
-        lo, hi = min(t for t, _ in runs), max(t for t, _ in runs)
-        mb = statistics.median(b for _, b in runs) / 1e6
+def _table(rows: dict[str, dict[str, list]], delta: dict[str, dict[str, float]]) -> str:
+    """Medians over repeats. predicted = the unshaped step of the same system + the cost model's
+    shaped minus unshaped network time (delta), as `hybridep bench` predicts; compute = the shaped
+    step minus the timed collectives (slowest rank), for reference."""
+    shaped, base = rows["shaped"], rows["unshaped"]
+    ep = statistics.median(r[0] for r in shaped["alltoall EP"])
+    out = [f"{'system / plan':28s} {'median ms':>10s} {'spread ms':>15s} {'vs EP':>7s} {'WAN MB/iter/DC':>15s} "
+           f"{'compute ms':>11s} {'unshaped ms':>12s} {'predicted ms':>13s} {'error':>7s}"]
+    for label, runs in shaped.items():
+        med = statistics.median(r[0] for r in runs)
+        lo, hi = min(r[0] for r in runs), max(r[0] for r in runs)
+        mb = statistics.median(r[1] for r in runs) / 1e6
+        compute = statistics.median(r[2] for r in runs)
+        unshaped = statistics.median(r[0] for r in base[label])
+        pred = unshaped + sum(delta[label].values())
         out.append(f"{label:28s} {med * 1e3:10.1f} {f'{lo * 1e3:.0f}-{hi * 1e3:.0f}':>15s} {ep / med:6.2f}x "
-                   f"{mb:15.2f}")
+                   f"{mb:15.2f} {compute * 1e3:11.1f} {unshaped * 1e3:12.1f} {pred * 1e3:13.1f} {pred / med - 1:+7.1%}")
     return "\n".join(out)
 
 
@@ -208,7 +292,9 @@ def main() -> int:
     if a.worker:
         worker(json.loads(a.worker))
         return 0
+    from megatron_hybridep.bench.control import CONTROL_ENV, ControlServer
     from megatron_hybridep.testbed.network import Testbed, TestbedConfig
+    from megatron_hybridep.testbed.selfcheck import measure_throughput
     from megatron_hybridep.testbed.shaping import parse_rate_mbit
 
     rate = parse_rate_mbit(a.rate)
@@ -220,18 +306,42 @@ def main() -> int:
             "tokens": a.tokens, "seq": a.seq, "world": 4, "rate_mbit": rate, "warmup": a.warmup,
             "iters": a.iters, "repeats": a.repeats, "timeout": a.timeout}
     print("command: python " + shlex.join(sys.argv), flush=True)
-    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
-    with Testbed(TestbedConfig(dcs=2, ranks_per_dc=2, rate_mbit=rate, burst_ms=1.0)) as tb:
-        res = tb.launch([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)], env=env,
-                        timeout_s=a.timeout, cwd=REPO)
+    with tempfile.TemporaryDirectory() as tmp, Testbed(TestbedConfig(dcs=2, ranks_per_dc=2, rate_mbit=rate,
+                                                                       burst_ms=1.0)) as tb:
+        def set_shaped(shaped: bool) -> None:
+            for dc in range(2):
+                tb.set_rate(dc, rate if shaped else None)
+
+        set_shaped(False)
+        spec["unshaped_mbit"] = measure_throughput(tb, 0, 1, seconds=0.4).mbit
+        set_shaped(True)
+
+        def handle(request: dict) -> dict:
+            if request.get("op") != "rate":
+                raise RuntimeError(f"hot_replicas: unexpected control request {request!r}")
+            set_shaped(bool(request["shaped"]))
+            return {"ok": True}
+
+        control = ControlServer(os.path.join(tmp, "control.sock"))
+        env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", CONTROL_ENV: control.path}
+        try:
+            group = tb.start([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)], env=env,
+                             timeout_s=a.timeout, cwd=REPO)
+            with group:
+                control.serve(group.pids, handle, time.monotonic() + a.timeout)
+                res = group.wait()
+        finally:
+            control.close()
     res.raise_for_status()
     events = [json.loads(line.split(TAG, 1)[1]) for line in res.outputs[0].splitlines() if TAG in line]
     plan = next(e for e in events if e["event"] == "plan")
     rows = [e for e in events if e["event"] == "repeat"][-1]["rows"]
     print(f"testbed 2 DCs x 2 ranks, WAN {a.rate} per DC uplink; {a.tokens} tokens/rank/step, experts of "
           f"{2 * 64 * a.ffn * 4 / 1e3:.0f} KB, hot experts {spec['hot_experts']} (bias {a.hot_bias}); "
-          f"{a.warmup} warm-up + {a.iters} timed steps x {a.repeats} repeats; {time.monotonic() - t0:.0f} s")
+          f"{a.warmup} warm-up + {a.iters} timed steps x {a.repeats} repeats, unshaped then shaped "
+          f"(unshaped WAN {spec['unshaped_mbit']:.0f} Mbit/s); token all-to-alls at {plan['a2a_efficiency']:.0%} of "
+          f"the rate (probe); {time.monotonic() - t0:.0f} s")
     routing = plan["routing"]
     share = [sum(r[e] for r in routing) / max(sum(map(sum, routing)), 1) for e in range(8)]
     print("routing share per expert: " + " ".join(f"{s:.2f}" for s in share))
@@ -239,7 +349,7 @@ def main() -> int:
     if hot:
         print("hot replicas (expert, rank): " + str(hot[0]["replicas"]["pairs"]))
     print(f"planner's choice: {plan['chosen']}")
-    print(_table(rows))
+    print(_table(rows, plan["delta_phases"]))
     if a.out:
         Path(a.out).write_text(json.dumps({"spec": spec, "plan": plan, "rows": rows}, indent=1))
     return 0

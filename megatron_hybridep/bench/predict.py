@@ -33,7 +33,7 @@ from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.network import Family
 from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.plan.plan import Plan
-from megatron_hybridep.plan.planner import PlanningResult, choose_plan
+from megatron_hybridep.plan.planner import PlanningResult, choose_plan, evaluate_plan
 from megatron_hybridep.plan.topology import Level, Topology
 from megatron_hybridep.plan.workload import Workload
 
@@ -41,7 +41,7 @@ STEADY_S = 0.05  # all-to-alls at least this long at the rate see steady-state T
 FP32 = 4  # bytes per element: the CPU runtime trains in fp32 (activations, weights, gradients)
 # the network phases a prediction reports (plan/phases.py): token all-to-alls both ways as one
 PHASES = (Phase.TOKEN_A2A, Phase.EXPERT_ALLGATHER, Phase.GRAD_RETURN, Phase.SHARED_SYNC, Phase.EXPERT_GRAD_ALLREDUCE,
-          Phase.DENSE_GRAD_ALLREDUCE)
+          Phase.DENSE_GRAD_ALLREDUCE, Phase.REPLICA_WEIGHTS, Phase.REPLICA_GRAD_RETURN)
 # the runtime's Stats phases the bench worker reports per step (seconds and inter-DC bytes)
 MEASURED = (Phase.TOKEN_DISPATCH, Phase.TOKEN_COMBINE, Phase.EXPERT_ALLGATHER, Phase.GRAD_RETURN)
 
@@ -184,7 +184,7 @@ def network_time(topology: Topology, workload: Workload, plan: Plan, dense_param
     if not a2a_efficiency > 0 or not steady_efficiency > 0:
         raise PlanError(f"a2a_efficiency/steady_efficiency: must be > 0, got {a2a_efficiency!r}/{steady_efficiency!r}")
     cost = CostModel(topology, workload)
-    cb = cost.evaluate(plan)
+    cb = evaluate_plan(cost, plan)  # with a plan's hot replicas (plan/hot.py)
     ph = cb.phases
     seconds = {p: ph[p] for p in PHASES if p in ph}
     seconds[Phase.TOKEN_A2A] = (ph[Phase.TOKEN_A2A_FWD] + ph[Phase.TOKEN_A2A_BWD]) / a2a_efficiency
@@ -216,7 +216,7 @@ def predict(shaped: Topology, unshaped: Topology, workload: Workload, plan: Plan
     hi = network_time(shaped, workload, plan, dense_params, a2a_efficiency, steady_efficiency)
     raw = network_time(shaped, workload, plan, dense_params)
     lo = network_time(unshaped, workload, plan, dense_params)
-    phases = {k: hi.seconds[k] - lo.seconds[k] for k in PHASES}
+    phases = {k: hi.seconds.get(k, 0.0) - lo.seconds.get(k, 0.0) for k in PHASES}
     uncal = unshaped_step_s + raw.total - lo.total
     planner = CostModel(shaped, workload).evaluate(plan).total
     return Prediction(unshaped_step_s + sum(phases.values()), unshaped_step_s, phases, planner, hi.dc_uplink_bytes,
