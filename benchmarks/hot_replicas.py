@@ -11,24 +11,14 @@ in --hot-experts get a bias of --hot-bias, so most tokens pick them. Each rank:
 1. runs alltoall EP a few steps and all-reduces the per-expert routing counts it measured, and the
    compute timings (bench/worker.PhaseTimer) that the planner's Workload needs;
 2. plans with those counts (plan.planner.choose_plan: equal-size domains + hot-replica variants);
-3. per repeat: alltoall EP, then one hybridep model switching through every equal-size domain plan
-   and the best hot-replica plan: warm-up + timed iterations each. A step's time is its slowest
-   rank's; WAN bytes come from the DC uplinks' counters over the timed window.
+3. per repeat, with the WAN unshaped and then shaped (rank 0 asks the parent over the bench's control
+   socket; the other ranks wait at a barrier): alltoall EP, then one hybridep model switching through
+   every equal-size domain plan and the best hot-replica plan: warm-up + timed iterations each. A
+   step's time is its slowest rank's; WAN bytes come from the DC uplinks' counters over the timed window.
 Prints the command, the replicas chosen and a table of medians over repeats (spread = min-max of
-the per-repeat medians).
-
-Measured (2 shared cores, load average 2.6-16 during the run; 153 s):
-    sudo python benchmarks/hot_replicas.py --tokens 1024 --hot-bias 0.2 --iters 5 --warmup 2 --repeats 3
-routing: experts 0 and 4 get 50% each (every token picks both); planner: ep (S=1) +6 hot
-(experts 0 and 4 replicated to the 3 other ranks each).
-
-    system / plan        median ms   spread ms   vs EP   WAN MB/iter/DC
-    alltoall EP             1194.9   1154-1236   1.00x   4.97
-    ep (S=1) (hybridep)     1190.0   1145-1229   1.00x   4.97
-    domains dc2 gpu1         690.7     682-707   1.73x   2.69
-    domains dc1 gpu2        1247.3   1147-1265   0.96x   4.95
-    domains dc2 gpu2         968.8    893-1017   1.23x   4.36
-    ep (S=1) +6 hot          619.8     614-634   1.93x   2.51
+the per-repeat medians) with each plan's prediction, made as `hybridep bench` makes it: the plan's
+unshaped step + the cost model's shaped minus unshaped network time (bench/predict.py; token
+all-to-alls at the share of the rate a bare all-to-all probe got). Results: docs/planner.md.
 """
 
 from __future__ import annotations
