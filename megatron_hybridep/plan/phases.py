@@ -4,9 +4,9 @@
 
 Two granularities use the same names: the exposed-time phases (``EXPOSED``: the cost model and the
 simulator report these, and they sum to the iteration time) and the collectives the runtime times
-one call at a time. A token all-to-all is measured per call as TOKEN_DISPATCH / TOKEN_COMBINE, priced
-per direction as TOKEN_A2A_FWD / TOKEN_A2A_BWD, and per topology level (and by the bench's
-prediction) as TOKEN_A2A, both directions together. Torch-free."""
+one call at a time. A token all-to-all is measured per call as TOKEN_DISPATCH / TOKEN_COMBINE (its
+backward transposes as TOKEN_A2A_BWD), priced per direction as TOKEN_A2A_FWD / TOKEN_A2A_BWD, and per
+topology level (and by the bench's prediction) as TOKEN_A2A, both directions together. Torch-free."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class Phase(StrEnum):
     EXPERT_COMPUTE = "expert_compute"                  # expert MLPs: forward + backward
     TOKEN_A2A = "token_a2a"                            # every token all-to-all, both directions
     TOKEN_A2A_FWD = "token_a2a_fwd"                    # forward dispatch + combine
-    TOKEN_A2A_BWD = "token_a2a_bwd"                    # their transposes in the backward pass (also measured)
+    TOKEN_A2A_BWD = "token_a2a_bwd"                    # their transposes in the backward pass
     TOKEN_DISPATCH = "token_dispatch"                  # one measured dispatch all-to-all
     TOKEN_COMBINE = "token_combine"                    # one measured combine all-to-all
     EXPERT_ALLGATHER = "expert_allgather"              # borrowed expert copies gathered in a domain

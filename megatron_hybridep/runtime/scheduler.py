@@ -114,7 +114,7 @@ class Decision:
     switched: bool
     bandwidth_gbps: dict[str, float]
     compute_s: float | None = None      # measured compute per iteration the decision used
-    network_factor: float = 1.0         # measured / modelled communication of the running plan (see _costed)
+    network_factor: float = 1.0         # measured / modelled communication of the running plan (_fitted)
 
 
 @dataclass
@@ -250,14 +250,14 @@ class PlanScheduler:
         over ranks reads them fast under skew, while gloo's ring all-reduce and gathers run below the
         model's rate (the 20 Mbit/s replan demo: 13-18% under-predicted without it). Refitted once
         the running plan has a full window of step times (after a switch, the factor the switch was
-        decided with stays until then); 1 while the communication is overhead-bound (< 2 x
-        min_call_s): a ratio of two noises."""
+        decided with stays until then); 1 while the measured or the modelled communication is
+        overhead-bound (< 2 x min_call_s, < min_call_s): a ratio of two noises."""
         if self.iteration_s and len(self._iteration) >= self.config.window:
             measured, f = self.iteration_s - (self.compute_s or 0.0), 1.0
             if measured >= 2 * self.config.min_call_s:
-                for _ in range(4):  # fixed point: exposed time is not linear in the rates (overlap)
+                for i in range(4):  # fixed point: exposed time is not linear in the rates (overlap)
                     modelled = _exposed_comm(_scaled(topology, f), workload, self.runtime.plan)
-                    if modelled <= 0 or abs(modelled / measured - 1) < 1e-3:
+                    if (i == 0 and modelled < self.config.min_call_s) or abs(modelled / measured - 1) < 1e-3:
                         break
                     f *= measured / modelled
             self.network_factor = f

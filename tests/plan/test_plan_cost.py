@@ -326,6 +326,20 @@ def test_gradient_traffic_is_exposed_as_the_runtime_blocks_on_it():
     assert rep.phases["expert_grad_allreduce"] == rep.raw["expert_grad_allreduce"]
 
 
+def test_gloo_returns_gradients_by_all_to_all_as_the_runtime_does():
+    """runtime/migration.py on gloo sends each chunk to its owner (all_to_all_single): a 4-rank domain
+    over 2 DCs puts 2 ranks x 2 remote chunks through each DC uplink, a ring 3 chunks (its two WAN
+    edges carry S - 1 each); on NCCL it is the reduce-scatter ring. The gather is a ring on both."""
+    topo = Topology((Level("dc", 2, 10.0, 0.0, 10.0), Level("gpu", 2, 1000.0, 0.0)))
+    plan = Plan.grid((2, 2), (2, 2), 16)
+    nccl = CostModel(topo, workload()).evaluate(plan)
+    gloo = CostModel(topo, workload(backend="gloo")).evaluate(plan)
+    assert gloo.raw["grad_return"] == pytest.approx(4 / 3 * nccl.raw["grad_return"], rel=1e-3)
+    assert gloo.raw["expert_allgather"] == nccl.raw["expert_allgather"]
+    with pytest.raises(PlanError, match="backend"):
+        workload(backend="mpi")
+
+
 def test_expert_grad_allreduce_is_one_bucket_for_all_layers():
     """Megatron reduces all expert gradients in one call: latency once, not once per layer."""
     topo = Topology((Level("dc", 2, 1e9, 1000.0), Level("gpu", 4, 1e9, 0.0)))  # bandwidth ~ free
