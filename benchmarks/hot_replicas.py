@@ -119,24 +119,16 @@ def _plan(spec: dict, counts, timer):  # noqa: ANN001, ANN201
 def _probe(spec: dict, nbytes: int, repeats: int = 5) -> float:
     """Share of the shaped rate a bare gloo all-to-all of ``nbytes`` per rank gets (the bench's probe,
     bench/worker.py): the cost model's time for it over the median measured (slowest rank)."""
-    import torch
     import torch.distributed as dist
 
+    from megatron_hybridep.bench.worker import timed_all_to_alls
     from megatron_hybridep.plan.network import Family, Network
 
     world = dist.get_world_size()
-    n = max(nbytes // 4 // world, 1) * world
-    x, y, times = torch.ones(n), torch.empty(n), []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_to_all_single(y, x)
-        dt = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        times.append(dt.item())
+    n, times = timed_all_to_alls(nbytes, repeats)
     topo = _topology(spec)
     ideal = Network(topo).a2a(Family(topo.level_counts, (1,) * len(topo.levels)), n * 4 / world)
-    return ideal.seconds / statistics.median(times[1:])
+    return ideal.seconds / statistics.median(times)
 
 
 def _measure_plans(spec: dict, state, stats, batches, world: int):  # noqa: ANN001, ANN202

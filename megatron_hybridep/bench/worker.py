@@ -63,6 +63,26 @@ def wan_counters(dev: str = WAN_DEV) -> tuple[int, int]:
     raise RuntimeError(f"no interface {dev} in this namespace: run the worker through the testbed launcher")
 
 
+def timed_all_to_alls(nbytes: int, repeats: int, before_timed: Any = None) -> tuple[int, list[float]]:
+    """A bare all-to-all of ~``nbytes`` per rank over the world, a warm-up then ``repeats`` timed ones
+    (``before_timed()`` runs once before them): (elements per rank, each timed call's seconds, slowest
+    rank's). All ranks call it; it ends with a barrier."""
+    world = dist.get_world_size()
+    n = max(nbytes // 4 // world, 1) * world
+    x, y, times = torch.ones(n), torch.empty(n), []
+    for i in range(repeats + 1):
+        dist.barrier()
+        if i == 1 and before_timed is not None:
+            before_timed()
+        t0 = time.perf_counter()
+        dist.all_to_all_single(y, x)
+        dt = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        times.append(dt.item())
+    dist.barrier()
+    return n, times[1:]
+
+
 class PhaseTimer:
     """Forward-hook timings the cost model is fed with: compute before the experts in each MoE
     layer (T_pre: norms + attention, from the layer's start to its MoE block's start) and the expert
@@ -142,28 +162,18 @@ class Worker:
         """Bare gloo all-to-alls over all ranks (EP's pattern, no model), one size per point: what
         the shaped WAN delivers to them (time = slowest rank's; counters over the timed repeats)."""
         for point, size in enumerate(spec["sizes"]):
-            n = max(size // 4 // self.world, 1) * self.world
-            x, y = torch.ones(n), torch.empty(n)
-            times, counters0 = [], None
-            for i in range(spec["repeats"] + 1):  # the first is a warm-up
-                dist.barrier()
-                if i == 1 and self.local_rank == 0:
-                    counters0 = wan_counters()
-                t0 = time.perf_counter()
-                dist.all_to_all_single(y, x)
-                dt = torch.tensor([time.perf_counter() - t0])
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-                times.append(dt.item())
-            dist.barrier()
+            before: list[tuple[int, int]] = []  # rank 0 of a DC: its uplink counters before the timed calls
+            n, times = timed_all_to_alls(size, spec["repeats"], (lambda b=before: b.append(wan_counters()))
+                                         if self.local_rank == 0 else None)
             link = None
-            if counters0 is not None:
+            if before:
                 tx, rx = wan_counters()
-                link = {"dc": self.dc, "tx_bytes": tx - counters0[0], "rx_bytes": rx - counters0[1]}
+                link = {"dc": self.dc, "tx_bytes": tx - before[0][0], "rx_bytes": rx - before[0][1]}
             links: list[Any] = [None] * self.world
             dist.all_gather_object(links, link)
             if self.rank == 0:
-                emit("probe", point=point, bytes_per_rank=n * 4, repeats=spec["repeats"], step_s=times[1:],
-                     median_s=statistics.median(times[1:]), link=[c for c in links if c is not None])
+                emit("probe", point=point, bytes_per_rank=n * 4, repeats=spec["repeats"], step_s=times,
+                     median_s=statistics.median(times), link=[c for c in links if c is not None])
 
     # ---- one system -----------------------------------------------------------------------------
     def _args(self, system: str) -> Any:
