@@ -116,7 +116,7 @@ def _plan(spec: dict, counts, timer):  # noqa: ANN001, ANN201
     return work, choose_plan(_topology(spec), work, spec["world"], include_replicated=False)
 
 
-def _probe(spec: dict, nbytes: int, repeats: int = 5) -> float:
+def _probe(spec: dict, nbytes: int, repeats: int = 15) -> float:
     """Share of the shaped rate a bare gloo all-to-all of ``nbytes`` per rank gets (the bench's probe,
     bench/worker.py): the cost model's time for it over the median measured (slowest rank)."""
     import torch.distributed as dist
