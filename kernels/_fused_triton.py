@@ -9,7 +9,7 @@ writes the model copy (bf16/fp16/fp32) and counts the first radix-select histogr
 
 decode_rows: one launch decodes every borrowed row of a layer: out = round(round(base + shift) +
 scatter(values)), i.e. the rebase after a shared-expert refresh and the decode in one pass (grid:
-row x 256-element tile, entries found as in the plain decode kernel).
+256-element tile x row, entries found as in the plain decode kernel).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _round_as(x, KIND: tl.constexpr):
 def _adamw_hist_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, base_ptr, hist_ptr, n, ntiles,
                        decay, beta1, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_sqrt_bc2, eps,
                        HAS_BASE: tl.constexpr, OUT_KIND: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     pid = tl.program_id(1)
     nprog = tl.num_programs(1)
     row_start = row * n
@@ -72,8 +72,9 @@ def _decode_rows_kernel(base_ptr, shift_ptr, val_ptr, off_ptr, ent_ptr, out_ptr,
                         val_stride, off_stride,
                         HAS_SHIFT: tl.constexpr, OFF_MASK: tl.constexpr, BLOCK_MASK: tl.constexpr,
                         OUT_KIND: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    row = tl.program_id(0)
-    pid = tl.program_id(1)
+    # tiles on axis 0: CUDA caps grid axes 1 and 2 at 65535 blocks, and a 44M-element row has 172k tiles
+    pid = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
     lo = pid * BLOCK
     cols = tl.arange(0, BLOCK)
     local = lo + cols
@@ -113,11 +114,18 @@ def adamw_hist(param, grad, exp_avg, exp_avg_sq, model_out, base, hist, scalars:
                              BLOCK=HIST_TILE)
 
 
+def decode_rows_grid(rows: int, ntiles: int) -> tuple[int, int]:
+    """(tiles, rows): CUDA allows 2**31 - 1 blocks on axis 0 but only 65535 on the others."""
+    if rows > 65535:
+        raise ValueError(f"decode_rows: {rows} rows in one launch; CUDA's grid allows 65535")
+    return ntiles, rows
+
+
 def decode_rows(base, values, offsets, counts, block_bits: int, out, shift, ent) -> None:
     rows, n = out.shape
     ntiles = triton.cdiv(n, TILE)
     off_arg = offsets.view(torch.int16) if block_bits == 16 else offsets
-    _decode_rows_kernel[(rows, ntiles)](
+    _decode_rows_kernel[decode_rows_grid(rows, ntiles)](
         base, out if shift is None else shift, values, off_arg, ent, _as_kernel_float(out), n, ntiles,
         values.stride(0), offsets.stride(0),
         HAS_SHIFT=shift is not None, OFF_MASK={8: 0xFF, 16: 0xFFFF, 32: 0x7FFFFFFF}[block_bits],

@@ -53,7 +53,7 @@ def _build_without_setup(ctx):
     register()
     ps.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
     messages = []
-    for extra in ({}, {"gradient_accumulation_fusion": True}):
+    for extra in ({}, {"expert_tensor_parallel_size": 2}):
         try:
             build_moe_layer(MoESpec(dispatcher="hybridep", extra=extra), ctx.rank, ctx.world_size)
         except HybridEPConfigError as exc:
@@ -65,7 +65,7 @@ def test_hybridep_without_runtime_or_with_unsupported_flags_is_explained():
     messages = run_ranks(_build_without_setup, 1, timeout=60)[0]
     assert len(messages) == 2
     assert "megatron_hybridep.megatron.setup" in messages[0]
-    assert "--no-gradient-accumulation-fusion" in messages[1]
+    assert "--expert-tensor-parallel-size 1" in messages[1]
 
 
 def test_hybridep_layer_is_a_megatron_moe_layer():

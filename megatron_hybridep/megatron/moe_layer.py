@@ -52,9 +52,6 @@ def _check_config(config: Any) -> None:
     problems = []
     if getattr(config, "expert_tensor_parallel_size", 1) not in (None, 1):
         problems.append("expert_tensor_parallel_size must be 1 (use --expert-tensor-parallel-size 1)")
-    if getattr(config, "gradient_accumulation_fusion", False):
-        problems.append("gradient_accumulation_fusion writes wgrads into main_grad, which borrowed expert "
-                        "copies do not have (use --no-gradient-accumulation-fusion)")
     if getattr(config, "moe_shared_expert_overlap", False):
         problems.append("moe_shared_expert_overlap is not supported (drop --moe-shared-expert-overlap)")
     if getattr(config, "moe_latent_size", None):
@@ -151,19 +148,25 @@ class HybridEPMoELayer(MoELayer):
             gather = DomainGather(list(self.experts.named_parameters()), groups.domain, groups.domain_position,
                                   layer=self._layer_key(), stats=self._runtime.stats, levels=groups.domain_levels,
                                   num_local=local, config=self._runtime.migration, shared=self._shared,
-                                  defer=self._defer, asynchronous=self._asynchronous)
+                                  defer=self._defer, asynchronous=self._asynchronous, fuse_wgrad=self._fuse_wgrad)
         if plan.replicas:
             levels = tuple(crossing_level(plan, groups.ep_rank, q) for q in range(plan.ep_size))
             replicas = ReplicaExchange(list(self.experts.named_parameters()), local, plan, groups.ep_rank,
                                        self._runtime.ep_group, layer=self._layer_key(), stats=self._runtime.stats,
                                        levels=levels, hold=self._runtime.migration.hold_copies, defer=self._defer,
-                                       asynchronous=self._asynchronous, step=lambda: self._runtime.step)
+                                       asynchronous=self._asynchronous, step=lambda: self._runtime.step,
+                                       fuse_wgrad=self._fuse_wgrad)
         instrument(dispatcher, self._runtime.stats, self._layer_key(), groups.rail_levels)
         return PlanState(dispatcher, gather, replicas)
 
     def add_plan(self, groups: PlanGroups) -> None:
         """A plan adopted after construction (runtime.adopt): its groups exist already."""
         self._plan_state.append(self._build_for_plan(groups, self._pg_collection))
+
+    @property
+    def _fuse_wgrad(self) -> bool:
+        """--gradient-accumulation-fusion: Megatron's expert layers write wgrads into main_grad."""
+        return bool(getattr(self.config, "gradient_accumulation_fusion", False))
 
     def _layer_key(self) -> int:
         """This rank's MoE layer ordinal, 1-based: the statistics' key. Not layer_number: Megatron sets

@@ -42,6 +42,10 @@ RULES: tuple[Rule, ...] = (
          "fix: drop --moe-shared-expert-overlap"),
     Rule("--moe-latent-size", lambda a: _hybridep(a) and bool(getattr(a, "moe_latent_size", None)),
          "latent MoE is not supported by hybridep; fix: drop --moe-latent-size or use alltoall"),
+    Rule("--fp8-format", lambda a: _hybridep(a) and bool(getattr(a, "fp8", None)),
+         "untested with hybridep: TransformerEngine keeps FP8 scaling state (amax history) per expert module, and "
+         "borrowed experts run through this rank's modules would share and update it; fix: drop --fp8-format "
+         "(bf16) or use --moe-token-dispatcher-type alltoall"),
     Rule("--num-layers-per-virtual-pipeline-stage",
          lambda a: bool(_virtual_stages(a)) and bool(getattr(a, "save", None) or getattr(a, "load", None)),
          "with --save/--load: the CPU loop checkpoints a single model chunk, and virtual pipeline stages give "

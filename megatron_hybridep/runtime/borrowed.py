@@ -93,3 +93,44 @@ def add_to_grads(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
             p.grad = g.clone()
         else:
             p.grad.add_(g)
+
+
+class FusedWgrad:
+    """Megatron's --gradient-accumulation-fusion for borrowed copies. Its fused linear layers add a
+    weight's gradient into ``weight.main_grad`` and give autograd none, so each copy gets a slice of
+    this buffer (in the owners' main_grad dtype) as its main_grad, and the copies' backward takes
+    the buffer's sum. What owners are owed goes into their main_grad directly: once the fused path
+    set ``grad_added_to_main_grad``, Megatron's DDP hook no longer reads ``param.grad``."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.buffer: torch.Tensor | None = None
+
+    def attach(self, flat: torch.Tensor, views: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+        """Give every view of ``flat`` (the copies) the matching slice of the buffer as main_grad."""
+        if not self.enabled:
+            return
+        if self.buffer is None or self.buffer.numel() != flat.numel() or self.buffer.device != flat.device:
+            main = getattr(params[0], "main_grad", None)
+            dtype = main.dtype if main is not None else torch.promote_types(flat.dtype, torch.float32)
+            self.buffer = torch.zeros(flat.numel(), dtype=dtype, device=flat.device)
+        base, size = flat.data_ptr(), flat.element_size()
+        for v in views:
+            start = (v.data_ptr() - base) // size
+            v.main_grad = self.buffer[start:start + v.numel()].view_as(v)
+
+    def take(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """The copies' whole gradient: what autograd brought plus what the fused layers accumulated."""
+        if not self.enabled or self.buffer is None:
+            return grad
+        total = self.buffer.clone() if grad is None else self.buffer.add(grad)
+        self.buffer.zero_()
+        return total
+
+    def to_params(self, owed: torch.Tensor | None, params: Sequence[torch.Tensor]
+                  ) -> tuple[torch.Tensor | None, ...]:
+        """The owners' gradients for autograd (None with fusion: added to main_grad here)."""
+        if owed is None or not self.enabled:
+            return split_like(owed, params)
+        add_to_grads(owed, params)
+        return (None,) * len(params)

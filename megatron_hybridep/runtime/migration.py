@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hybridep.plan.phases import Phase
-from megatron_hybridep.runtime.borrowed import OwedGradient, add_to_grads, split_like, version_key
+from megatron_hybridep.runtime.borrowed import FusedWgrad, OwedGradient, add_to_grads, version_key
 from megatron_hybridep.runtime.compression import (
     ErrorFeedbackTopK,
     SharedExpertRule,
@@ -143,7 +143,8 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
-        return None, None, *split_like(ctx.owner._owed(grad), ctx.owner.params)
+        owner = ctx.owner
+        return None, None, *owner.wgrad.to_params(owner._owed(owner.wgrad.take(grad)), owner.params)
 
 
 class DomainGather:
@@ -153,8 +154,8 @@ class DomainGather:
                  position: int, layer: int = 0, stats: Stats | None = None,
                  levels: Sequence[str] | None = None, num_local: int = 1,
                  config: MigrationConfig | None = None, shared: SharedExpert | None = None,
-                 defer: Callable[[], bool] | None = None, asynchronous: Callable[[], bool] | None = None
-                 ) -> None:
+                 defer: Callable[[], bool] | None = None, asynchronous: Callable[[], bool] | None = None,
+                 fuse_wgrad: bool = False) -> None:
         ordered = expert_major(params, num_local)
         self.names = [n for n, _ in ordered]
         self.params = [p for _, p in ordered]
@@ -194,6 +195,7 @@ class DomainGather:
         hold = self.config.hold_copies  # per micro-batch: every backward returns, blocking
         self.owed = OwedGradient(defer if defer is not None and hold else (lambda: False),
                                  self._return_grads, self._launch_return, asynchronous if hold else None)
+        self.wgrad = FusedWgrad(fuse_wgrad)  # --gradient-accumulation-fusion: copies get a main_grad
 
     @property
     def bytes_per_rank(self) -> int:
@@ -284,6 +286,7 @@ class DomainGather:
                 views[name] = chunk[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
             out.append(views)
+        self.wgrad.attach(gathered, [v for views in out if views is not None for v in views.values()], self.params)
         return out
 
     def _owed(self, grad: torch.Tensor) -> torch.Tensor | None:
@@ -306,17 +309,16 @@ class DomainGather:
             result = self.params[0].new_zeros(self.size * self.numel)
             slots = pending.buffer.view(self.size, -1)
             rows = result.view(self.size, self.num_local, -1)
+            shift = self._shift(self._copies_shared, pending.shared)
             for q in range(self.size):
                 if q == self.position:  # this rank's own slot is never used: owners are exact
                     continue
                 if not self.config.incremental:
                     self.codec.decode_batch(slots[q], pending.shared, out=rows[q])
-                    continue
-                if self._copies is None:
-                    base = self._initial_base(rows[q], pending.shared)
-                else:
-                    base = self._rebase(self._copies[q], self._copies_shared, pending.shared)
-                self.codec.decode_batch(slots[q], base, out=rows[q])
+                elif self._copies is None:
+                    self.codec.decode_batch(slots[q], self._initial_base(rows[q], pending.shared), out=rows[q])
+                else:  # one launch per peer, the refresh's rebase folded in (Triton on GPU)
+                    self.codec.decode_rows(slots[q], self._copies[q], out=rows[q], shift=shift)
             if self.config.check_finite:
                 check_rows(rows, "decoded copy of a borrowed expert", self.layer,
                            dist.get_process_group_ranks(self.group), skip=self.position)
@@ -331,12 +333,18 @@ class DomainGather:
         return result
 
     @staticmethod
-    def _rebase(copy: torch.Tensor, old: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor:
+    def _shift(old: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor | None:
+        """The shared expert's change since the copies were built (None: unchanged)."""
+        if new is None or old is None or new is old:
+            return None
+        return (new - old).reshape(-1)
+
+    @classmethod
+    def _rebase(cls, copy: torch.Tensor, old: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor:
         """The copy, moved by the shared expert's refresh since it was built (a new tensor when
         moved, ``copy`` itself otherwise). Owner and peers apply the same shift to the same copy."""
-        if new is None or old is None or new is old:
-            return copy
-        return copy + (new - old).reshape(1, -1)
+        shift = cls._shift(old, new)
+        return copy if shift is None else copy + shift.reshape(1, -1)
 
     def _initial_base(self, rows: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
         """The first copy peers build on: the shared expert (plain top-k: zeros), one per expert row."""
@@ -373,7 +381,7 @@ class DomainGather:
         else:
             chunks = grad.view(self.size, -1)
             nbytes = self.grad_codec.nbytes(self.numel, grad.dtype)
-            send = torch.zeros(self.size, nbytes, dtype=torch.uint8)
+            send = torch.zeros(self.size, nbytes, dtype=torch.uint8, device=grad.device)
             for q in range(self.size):
                 if q != self.position:
                     self.grad_codec.compress((self.layer, q), chunks[q], out=send[q])

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.plan.plan import Plan
-from megatron_hybridep.runtime.borrowed import OwedGradient, add_to_grads, split_like, version_key
+from megatron_hybridep.runtime.borrowed import FusedWgrad, OwedGradient, add_to_grads, version_key
 from megatron_hybridep.runtime.instrument import Stats
 from megatron_hybridep.runtime.migration import expert_major
 
@@ -45,7 +45,8 @@ class _Exchanged(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_hidden: torch.Tensor, grad_recv: torch.Tensor):  # noqa: ANN001, ANN205
-        return grad_hidden, None, None, *split_like(ctx.owner.owed(grad_recv), ctx.owner.params)
+        owner = ctx.owner
+        return grad_hidden, None, None, *owner.wgrad.to_params(owner.owed(owner.wgrad.take(grad_recv)), owner.params)
 
 
 class ReplicaExchange:
@@ -55,7 +56,7 @@ class ReplicaExchange:
                  ep_rank: int, group: dist.ProcessGroup, layer: int = 0, stats: Stats | None = None,
                  levels: Sequence[str] | None = None, hold: bool = False,
                  defer: Callable[[], bool] | None = None, asynchronous: Callable[[], bool] | None = None,
-                 step: Callable[[], int] | None = None) -> None:
+                 step: Callable[[], int] | None = None, fuse_wgrad: bool = False) -> None:
         ordered = expert_major(params, num_local)
         self.names = [n for n, _ in ordered]
         self.params = [p for _, p in ordered]
@@ -78,6 +79,7 @@ class ReplicaExchange:
         self._copy_key: tuple[int, ...] | None = None
         self.owed = OwedGradient(defer if defer is not None and hold else (lambda: False), self._return_grads,
                                  self._launch_return, asynchronous if hold else None)
+        self.wgrad = FusedWgrad(fuse_wgrad)  # --gradient-accumulation-fusion: replicas get a main_grad
 
     def _holds_current(self) -> bool:
         return self.hold and self._copy is not None and self._copy_key == version_key(self.params, self.step())
@@ -123,6 +125,7 @@ class ReplicaExchange:
                 tensors.append(row[offset:offset + n].view(shape))
                 offset += n
             out.append((e, tensors))
+        self.wgrad.attach(recv, [t for _, tensors in out for t in tensors], self.params)
         return hidden, out
 
     def slot_names(self, slot: int) -> list[str]:

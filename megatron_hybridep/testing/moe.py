@@ -114,7 +114,7 @@ def load_global_weights(layer: torch.nn.Module, w: GlobalWeights, ep_rank: int, 
 
 
 def reference_moe(x: torch.Tensor, w: GlobalWeights, topk: int, aux_loss_coeff: float = 0.0,
-                  pre_softmax: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  pre_softmax: bool = False, top_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch MoE forward on one rank's tokens: (output, aux_loss).
 
     Megatron's routing: top-k over logits then softmax over the k selected (or, pre-softmax, top-k
@@ -122,14 +122,19 @@ def reference_moe(x: torch.Tensor, w: GlobalWeights, topk: int, aux_loss_coeff: 
     Switch load-balancing loss E*coeff/(k*T^2) * sum_e(sum_t softmax(logits)_te * count_e).
     Megatron's precision contract: routing scores in float32, probabilities cast back to the
     logits' dtype (a no-op in float32; in float64 the probabilities carry float32 rounding).
+    ``top_idx`` [tokens, topk]: route as given (a bf16 run's choice: a near-tie that bf16 breaks
+    the other way would otherwise compare different experts).
     """
     shape = x.shape
     tokens = x.reshape(-1, shape[-1])
     logits = tokens @ w.router.t()
     if pre_softmax:
-        top_probs, top_idx = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), topk, dim=-1)
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top_probs, top_idx = (torch.topk(scores, topk, dim=-1) if top_idx is None
+                              else (scores.gather(1, top_idx), top_idx))
     else:
-        top_logits, top_idx = torch.topk(logits, topk, dim=-1)
+        top_logits, top_idx = (torch.topk(logits, topk, dim=-1) if top_idx is None
+                               else (logits.gather(1, top_idx), top_idx))
         top_probs = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
     top_probs = top_probs.to(logits.dtype)
     out = torch.zeros_like(tokens)

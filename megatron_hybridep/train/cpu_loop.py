@@ -33,8 +33,6 @@ def _validated(args: argparse.Namespace) -> argparse.Namespace:
     from megatron.training.arguments import validate_args
     from megatron.training.global_vars import set_args
 
-    if args.moe_token_dispatcher_type == "hybridep" and args.gradient_accumulation_fusion:
-        args.gradient_accumulation_fusion = False  # no fused wgrad into main_grad on CPU anyway
     if getattr(args, "hybridep_print_args", False):
         validate_args(args)
     else:

@@ -104,8 +104,10 @@ class RankContext:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def _context() -> mp.context.ForkServerContext:
+def _context(start_method: str = "forkserver") -> mp.context.BaseContext:
     global _CTX
+    if start_method == "spawn":  # CUDA ranks: a forked child cannot use CUDA once its parent has
+        return mp.get_context("spawn")
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(PRELOAD)
@@ -151,7 +153,7 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, timeout: flo
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
               env: dict[str, str] | None = None, threads: int | None = None, stall: StallRule | None = None,
-              **kwargs: Any) -> list[Any]:
+              start_method: str = "forkserver", **kwargs: Any) -> list[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank.
 
     ``threads``: intra-op threads per rank; None = $HYBRIDEP_RANK_THREADS or 1 (tests vary it to
@@ -161,12 +163,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     raised, crashed or hung, with its traceback (or its stack dump when it hung). With ``stall``,
     once ranks call ``progress()``, a rank whose progress stops for ``stall.seconds(...)`` fails
     the job (StallError in the report, naming rank, pid and last phase) without waiting for ``timeout``.
+    ``start_method``: "forkserver" (preloaded imports, fast) or "spawn" (ranks that use CUDA: on a
+    GPU machine forked ranks failed with "Cannot re-initialize CUDA in forked subprocess").
     """
     import torch.distributed as dist
 
     if threads is None:
         threads = int(os.environ.get("HYBRIDEP_RANK_THREADS", "1"))
-    ctx = _context()
+    ctx = _context(start_method)
     # The parent hosts the rendezvous store: port 0 picks a free port with no race.
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                           timeout=timedelta(seconds=timeout), wait_for_workers=False)

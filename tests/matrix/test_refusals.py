@@ -13,6 +13,7 @@ pytestmark = pytest.mark.matrix
     (["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"], "--expert-tensor-parallel-size"),
     (["--expert-tensor-parallel-size", "2", "--expert-model-parallel-size", "2"], "--expert-tensor-parallel-size"),
     (["--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"], "--moe-shared-expert-overlap"),
+    (["--fp8-format", "hybrid"], "--fp8-format"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
       "--save", "/nonexistent/ckpt"], "--num-layers-per-virtual-pipeline-stage"),
 ])
@@ -31,6 +32,7 @@ def test_the_same_flags_pass_with_alltoall_or_the_fix_applied():
     tp = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
     parse([*TINY, *tp, "--moe-token-dispatcher-type", "alltoall"], default_config=PRESET)
     parse([*TINY, *tp, "--expert-tensor-parallel-size", "1"], default_config=PRESET)
+    parse([*TINY, "--fp8-format", "hybrid", "--moe-token-dispatcher-type", "alltoall"], default_config=PRESET)
     args = parse([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "4"], default_config=PRESET)
     args.num_layers_per_virtual_pipeline_stage, args.save = 1, "/nonexistent/ckpt"
     check(args, cpu=False)  # a CPU-loop limit only: Megatron's own loop runs virtual stages
