@@ -96,7 +96,8 @@ def load_manifest(prefix: str) -> Prepared | None:
         return None
 
 
-def prepare(texts: list[bytes], prefix: str, source: str, max_doc_bytes: int = DEFAULT_DOC_BYTES) -> tuple[Prepared, bool]:
+def prepare(texts: list[bytes], prefix: str, source: str,
+            max_doc_bytes: int = DEFAULT_DOC_BYTES) -> tuple[Prepared, bool]:
     """Write ``texts`` (each split into documents) to PREFIX.bin/.idx and PREFIX.json. Returns the
     manifest and whether anything was written: a prefix already prepared from the same bytes and
     settings is left alone. Files appear by rename, so a reader never sees a half-written prefix."""
