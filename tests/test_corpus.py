@@ -9,6 +9,7 @@ import zlib
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_hybridep.data import austen
 from megatron_hybridep.data.prepare import main as prepare_main
@@ -138,7 +139,7 @@ def test_token_windows_are_shifted_deterministic_and_differ_per_stream(tmp_path)
     done = prepare_corpus(_write(tmp_path, TEXT * 20), out=str(tmp_path / "w"), log=_quiet)
     w = TokenWindows(done.prefix, seed=3)
     tokens, labels = w.batch(4, 16, stream=0, step=5)
-    assert tokens.shape == labels.shape == (4, 16) and tokens.dtype == labels.dtype
+    assert tokens.shape == labels.shape == (4, 16) and tokens.dtype == labels.dtype == torch.int64
     assert (tokens[:, 1:] == labels[:, :-1]).all()
     again, _ = TokenWindows(done.prefix, seed=3).batch(4, 16, stream=0, step=5)
     other, _ = w.batch(4, 16, stream=1, step=5)

@@ -26,14 +26,15 @@ class TokenWindows:
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         ds = IndexedDataset(self.prefix)
-        self.tokens = np.concatenate([np.asarray(ds[i], dtype=np.int64) for i in range(len(ds))])
+        # kept in the file's dtype (uint16 for bytes): 2 bytes a token in each rank's memory
+        self.tokens = np.concatenate([np.asarray(ds[i]) for i in range(len(ds))])
 
     def vocab_needed(self) -> int:
         return int(self.tokens.max()) + 1
 
     def unigram_entropy(self) -> float:
         """Nats/token of the token frequencies: the loss of a model that learns nothing else."""
-        p = np.bincount(self.tokens) / len(self.tokens)
+        p = np.bincount(self.tokens.astype(np.int64)) / len(self.tokens)
         p = p[p > 0]
         return float(-(p * np.log(p)).sum())
 
@@ -44,5 +45,5 @@ class TokenWindows:
             raise CorpusError(f"{self.prefix}: {len(self.tokens)} tokens, fewer than a sequence of {seq_len} + 1")
         rng = np.random.default_rng([self.seed, stream, step])
         starts = rng.integers(0, len(self.tokens) - seq_len, batch_size)
-        data = torch.from_numpy(np.stack([self.tokens[s:s + seq_len + 1] for s in starts]))
+        data = torch.from_numpy(np.stack([self.tokens[s:s + seq_len + 1] for s in starts]).astype(np.int64))
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
