@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """Convergence of parameter-efficient migration on CPU (issue: shared + residual compression).
 
-GPT-MoE (2 layers, 8 experts, top-2) on the synthetic Markov corpus, 4 ranks as 2 DCs x 2 with
+GPT-MoE (default 2 layers, 8 experts, top-2) on the synthetic Markov corpus or real text, 4 ranks as 2 DCs x 2 with
 domains across DCs (every rank borrows the experts of its peer in the other DC), trained with
 Megatron's DDP and Adam on identical data under: Megatron alltoall EP (the reference), HybridEP
 exact, HybridEP with experts compressed Nx as shared + residual, and the same as plain top-k (no
 shared expert, the paper's ablation). Prints the loss table, writes CSV + PNG.
 
     python benchmarks/convergence.py --steps 600 --vocab 32 --order 2 --init upcycled --seeds 1,2,3
+    python benchmarks/convergence.py --steps 600 --corpus austen        # Jane Austen, bytes as tokens
+    python benchmarks/convergence.py --steps 600 --data-path PREFIX     # from scripts/prepare_corpus
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from megatron_hybridep.train.launch import run_ranks  # noqa: E402
+
+RANKS = 4  # 2 DCs x 2
 
 
 def upcycle(model, seed: int, noise: float) -> None:
@@ -45,8 +49,9 @@ def upcycle(model, seed: int, noise: float) -> None:
 
 
 def train(ctx, system: str, steps: int, ratio: float, grad_ratio: float, refresh: int, seed: int,
-          vocab: int, order: int, init: str):
+          vocab: int, order: int, init: str, data: str | None = None, model: dict | None = None):
     from megatron_hybridep.data.synthetic import MarkovCorpus
+    from megatron_hybridep.data.windows import TokenWindows
     from megatron_hybridep.megatron import cpu_runtime, setup, teardown
     from megatron_hybridep.plan.plan import Plan
     from megatron_hybridep.runtime.migration import MigrationConfig
@@ -54,7 +59,7 @@ def train(ctx, system: str, steps: int, ratio: float, grad_ratio: float, refresh
 
     cpu_runtime.enable()
     args = GPTMoEArgs(expert_model_parallel_size=ctx.world_size, seed=seed, vocab_size=vocab,
-                      dispatcher="alltoall" if system == "alltoall" else "hybridep")
+                      dispatcher="alltoall" if system == "alltoall" else "hybridep", **(model or {}))
     initialize_parallel(args)
     if system != "alltoall":
         migration = {"exact": MigrationConfig(),
@@ -68,7 +73,7 @@ def train(ctx, system: str, steps: int, ratio: float, grad_ratio: float, refresh
     state = build(args)
     if init == "upcycled":
         upcycle(state.model.module, seed, noise=0.1)
-    corpus = MarkovCorpus(vocab_size=vocab, seed=seed, order=order)
+    corpus = TokenWindows(data, seed) if data else MarkovCorpus(vocab_size=vocab, seed=seed, order=order)
     losses, times = [], []
     for step in range(steps):
         tokens, labels = corpus.batch(args.micro_batch_size, args.seq_length, ctx.rank, step)
@@ -85,7 +90,7 @@ def train(ctx, system: str, steps: int, ratio: float, grad_ratio: float, refresh
     return (t / ctx.world_size).tolist(), statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--ratio", type=float, default=50.0, help="expert weight compression (element ratio)")
@@ -93,8 +98,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--refresh", type=int, default=10, help="shared-expert refresh interval (steps)")
     p.add_argument("--seeds", default="1234", help="comma list: model init and corpus seeds (one run each)")
     p.add_argument("--window", type=int, default=20, help="final loss = mean of the last N steps")
-    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: 64 on the Markov corpus, "
+                                                           "256 on text: bytes as tokens)")
     p.add_argument("--order", type=int, default=2, help="Markov order of the corpus (2: the experts matter)")
+    data = p.add_mutually_exclusive_group()
+    data.add_argument("--data-path", metavar="PREFIX",
+                      help="train on a byte-token indexed dataset (PREFIX.bin/.idx, from scripts/prepare_corpus) "
+                           "instead of the Markov corpus")
+    data.add_argument("--corpus", metavar="FILE",
+                      help="train on a UTF-8 text file, prepared into --cache-dir first ('austen': the built-in "
+                           "novels)")
+    p.add_argument("--cache-dir", default=None, help="where --corpus is prepared (default: the corpora cache, see "
+                                                     "docs/data.md)")
+    p.add_argument("--layers", type=int, default=2, help="transformer layers")
+    p.add_argument("--experts", type=int, default=8, help="experts per MoE layer (a multiple of the 4 ranks)")
+    p.add_argument("--topk", type=int, default=2, help="experts per token")
+    p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--init", choices=("random", "upcycled"), default="random",
                    help="expert initialisation: Megatron's independent random experts, or upcycled")
     p.add_argument("--out", default=os.path.join(REPO, "runs", "convergence"))
@@ -102,19 +121,74 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma list; 'stateless' = residual against the shared expert (or zeros) at every "
                         "gather, the paper's scheme; without it the residual is against the peers' copy")
     a = p.parse_args(argv)
+    a.text = a.data_path is not None or a.corpus is not None
+    if a.vocab is None:
+        a.vocab = 256 if a.text else 64
+    elif a.text and a.vocab < 256:
+        p.error(f"--vocab {a.vocab}: text is read as bytes, which needs --vocab 256 or more")
+    if a.systems.split(",")[0] != "alltoall":
+        p.error("--systems must start with alltoall (the reference)")
+    if a.experts % RANKS or not 1 <= a.topk <= a.experts:
+        p.error(f"--experts must be a multiple of the {RANKS} ranks and --topk between 1 and --experts")
+    a.model = dict(num_layers=a.layers, num_experts=a.experts, topk=a.topk, seq_length=a.seq_length)
+    return a
+
+
+def load_text(a: argparse.Namespace):  # noqa: ANN201 - TokenWindows, or None on the Markov corpus
+    """Prepare --corpus (once, before the ranks start) and open the data; None without text."""
+    if not a.text:
+        return None
+    from megatron_hybridep.data.prepare import prepare_corpus
+    from megatron_hybridep.data.text import CorpusError
+    from megatron_hybridep.data.windows import TokenWindows
+
+    if a.corpus is not None:
+        a.data_path = prepare_corpus(a.corpus, cache_dir=a.cache_dir).prefix
+    text = TokenWindows(a.data_path)
+    if text.vocab_needed() > a.vocab:
+        raise CorpusError(f"{a.data_path} holds token {text.vocab_needed() - 1}; pass --vocab {text.vocab_needed()} "
+                          f"or more")
+    return text
+
+
+# Student's t, two-sided 95%, by degrees of freedom (no scipy in the field); 1.96 past 30.
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def interval95(values: list[float]) -> tuple[float, float]:
+    """95% confidence interval of the mean of independent runs (t-interval)."""
+    n, mean = len(values), statistics.fmean(values)
+    t = _T95[n - 2] if n - 1 <= len(_T95) else 1.96
+    half = t * statistics.stdev(values) / n**0.5
+    return mean - half, mean + half
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    from megatron_hybridep.data.text import CorpusError
+
+    try:
+        text = load_text(a)
+    except CorpusError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     systems = a.systems.split(",")
     seeds = [int(x) for x in a.seeds.split(",")]
-    if systems[0] != "alltoall":
-        p.error("--systems must start with alltoall (the reference)")
     curves, step_ms = {}, {}
     for seed in seeds:
         for system in systems:
-            losses, med = run_ranks(train, 4, system, a.steps, a.ratio, a.grad_ratio, a.refresh, seed,
-                                    a.vocab, a.order, a.init, timeout=1800)[0]
+            losses, med = run_ranks(train, RANKS, system, a.steps, a.ratio, a.grad_ratio, a.refresh, seed,
+                                    a.vocab, a.order, a.init, a.data_path, a.model, timeout=1800)[0]
             curves[system, seed], step_ms[system, seed] = losses, med * 1e3
             print(f"  seed {seed} {system:16s} done: final {statistics.fmean(losses[-a.window:]):.4f}", flush=True)
     os.makedirs(a.out, exist_ok=True)
-    tag = f"convergence_order{a.order}_v{a.vocab}_{a.init}_{a.ratio:g}x"
+    if text is not None:
+        tag = f"convergence_{os.path.basename(a.data_path)}_{a.init}_{a.ratio:g}x"
+    else:
+        tag = f"convergence_order{a.order}_v{a.vocab}_{a.init}_{a.ratio:g}x"
+    if (a.layers, a.experts, a.topk, a.seq_length) != (2, 8, 2, 64):  # the default keeps its old file names
+        tag += f"_L{a.layers}E{a.experts}k{a.topk}s{a.seq_length}"
     keys = [(s, seed) for seed in seeds for s in systems]
     with open(os.path.join(a.out, f"{tag}.csv"), "w", newline="") as f:
         w = csv.writer(f)
@@ -127,10 +201,14 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.fmean(curves[key][-a.window:])
 
     first = statistics.fmean(curves["alltoall", seed][0] for seed in seeds)
-    best = statistics.fmean(MarkovCorpus(vocab_size=a.vocab, seed=seed, order=a.order).conditional_entropy()
-                            for seed in seeds)
+    if text is not None:
+        reference = f"byte unigram entropy {text.unigram_entropy():.3f} nats ({a.data_path})"
+    else:
+        best = statistics.fmean(MarkovCorpus(vocab_size=a.vocab, seed=seed, order=a.order).conditional_entropy()
+                                for seed in seeds)
+        reference = f"best achievable {best:.3f} nats (means over seeds)"
     print(f"\nloss after {a.steps} steps (mean of last {a.window}), {len(seeds)} seed(s) {a.seeds}; first step "
-          f"{first:.4f}, best achievable {best:.3f} nats (means over seeds); {a.init} experts")
+          f"{first:.4f}, {reference}; {a.init} experts")
     print(f"{'system':44s} {'final loss':>10s} {'vs EP (mean +- sd over seeds)':>30s} {'step ms':>8s}")
     names = {"alltoall": "Megatron alltoall EP", "exact": "HybridEP exact",
              "shared": f"HybridEP {a.ratio:g}x shared+residual", "topk": f"HybridEP {a.ratio:g}x plain top-k",
@@ -142,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         spread = f"{statistics.fmean(deltas):+7.2f}% +- {sd:.2f} ({', '.join(f'{d:+.2f}' for d in deltas)})"
         print(f"{names[s]:44s} {statistics.fmean(final((s, seed)) for seed in seeds):10.4f} {spread:>30s} "
               f"{statistics.median(step_ms[s, seed] for seed in seeds):8.1f}")
+        if len(seeds) > 1 and s != "alltoall":
+            lo, hi = interval95(deltas)
+            worst = max(range(len(seeds)), key=lambda i: deltas[i])
+            print(f"{'':44s} 95% interval of the mean [{lo:+.2f}%, {hi:+.2f}%]; worst seed {seeds[worst]}: "
+                  f"{deltas[worst]:+.2f}%")
     try:
         import matplotlib
 
@@ -154,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             ax.plot(range(1, a.steps + 1), mean, label=names[s], lw=1.2)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (nats/token)")
-        ax.set_title(f"GPT-MoE, 2 DCs x 2, domains across DCs, {a.ratio:g}x, {a.init} experts", fontsize=10)
+        on = f", {os.path.basename(a.data_path)}" if text is not None else ""
+        ax.set_title(f"GPT-MoE, 2 DCs x 2, domains across DCs, {a.ratio:g}x, {a.init} experts{on}", fontsize=10)
         ax.legend()
         fig.tight_layout()
         fig.savefig(os.path.join(a.out, f"{tag}.png"), dpi=120)

@@ -1,0 +1,81 @@
+"""benchmarks/convergence.py on real text: --data-path / --corpus, the model-size flags, the summary
+statistics, and one tiny run on a prepared file (4 CPU ranks, 2 steps)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# Imported by name from benchmarks/ on sys.path: the ranks are spawned processes that unpickle
+# convergence.train by its module name (spawn hands them this sys.path).
+sys.path.append(str(ROOT / "benchmarks"))
+conv = importlib.import_module("convergence")
+
+
+def test_default_stays_the_markov_corpus_and_the_toy_model():
+    a = conv.parse_args([])
+    assert not a.text and a.data_path is None and a.corpus is None and a.vocab == 64
+    assert a.model == dict(num_layers=2, num_experts=8, topk=2, seq_length=64)
+    assert conv.load_text(a) is None
+
+
+def test_text_flags_set_the_byte_vocabulary_and_model_flags_reach_the_model():
+    a = conv.parse_args(["--corpus", "book.txt", "--layers", "4", "--experts", "16", "--seq-length", "128"])
+    assert a.text and a.corpus == "book.txt" and a.vocab == 256
+    assert a.model == dict(num_layers=4, num_experts=16, topk=2, seq_length=128)
+    b = conv.parse_args(["--data-path", "/x/austen", "--vocab", "512"])
+    assert b.text and b.data_path == "/x/austen" and b.vocab == 512
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--corpus", "a.txt", "--data-path", "p"], "not allowed with argument"),
+    (["--corpus", "a.txt", "--vocab", "64"], "needs --vocab 256 or more"),
+    (["--experts", "6"], "multiple of the 4 ranks"),
+    (["--topk", "9"], "--topk between 1 and --experts"),
+])
+def test_bad_flag_combinations_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        conv.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_missing_data_is_an_error_naming_the_fix_before_any_rank_starts(tmp_path, capsys):
+    assert conv.main(["--data-path", str(tmp_path / "none")]) == 2
+    assert "scripts/prepare_corpus" in capsys.readouterr().err
+    assert conv.main(["--corpus", str(tmp_path / "none.txt")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_interval_is_the_t_interval_of_the_mean():
+    lo, hi = conv.interval95([1.0, 2.0, 3.0])  # mean 2, sd 1, t(2) = 4.303
+    assert lo == pytest.approx(2 - 4.303 / 3**0.5) and hi == pytest.approx(2 + 4.303 / 3**0.5)
+    values = [0.1 * i for i in range(40)]  # past the table: the normal 1.96
+    lo, hi = conv.interval95(values)
+    assert hi - lo == pytest.approx(2 * 1.96 * statistics.stdev(values) / 40**0.5)
+
+
+@pytest.mark.slow
+def test_tiny_run_on_a_text_file(tmp_path, capsys):
+    text = "".join(f"Paragraph {i}: the quick brown fox jumps over the lazy dog.\n\n" for i in range(200))
+    (tmp_path / "fox.txt").write_text(text)
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    rc = conv.main(["--corpus", str(tmp_path / "fox.txt"), "--cache-dir", str(cache), "--out", str(out),
+                    "--steps", "2", "--window", "1", "--systems", "alltoall"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "byte unigram entropy" in printed and "Megatron alltoall EP" in printed
+    [prefix] = [p[:-4] for p in os.listdir(cache) if p.endswith(".bin")]
+    assert prefix.startswith("fox-")
+    with open(out / f"convergence_{prefix}_random_50x.csv") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["step", "alltoall@1234"] and len(rows) == 3
+    assert all(0 < float(r[1]) < 10 for r in rows[1:])  # a byte model starts near ln(256) = 5.5
