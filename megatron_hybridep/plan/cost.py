@@ -21,16 +21,19 @@ Beyond the paper's stream model (paper_model.py) it counts, per MoE layer and mi
   fits the memory limit (:func:`resolve_borrowed_copies`), else microbatch;
 - domains with S > 1 and a refreshed shared expert: one all-reduce per layer over the EP group
   (amortised per step), blocking, before that layer's first gather of the step;
-- once per iteration after the backward (Megatron's finalize_model_grads, DDP built with
-  overlap_grad_reduce=False, so exposed): the dense-parameter gradient all-reduce over the
+- once per iteration after the backward (Megatron's finalize_model_grads; exposed unless the
+  workload sets overlap_grad_reduce / overlap_param_gather: :func:`data_parallel_exposed`): the
+  dense-parameter gradient all-reduce over the
   data-parallel group (``dense_grad_allreduce``, a ring on the links it crosses; every plan pays it
   alike, but it is real time on a slow WAN and the scheduler's calibration needs it apart from
   compute), then one all-reduce of all expert gradients over the expert data-parallel replicas;
 - for the replicated plan (EP inside each DC, experts in every DC): no gathers, that all-reduce
   over all DCs, and the memory of full expert replicas with their optimizer state.
-With pipeline parallelism the model prices one stage (its MoE layers, its ranks: EP groups and
-data-parallel groups live inside a stage); pipeline bubbles and activation sends are not priced.
-This is the closed form of the simulator's ``runtime`` schedule (sim/schedule.py).
+With pipeline parallelism the phases above are one stage's (its MoE layers, its ranks: EP groups
+and data-parallel groups live inside a stage; the busiest stage stands for all), and two more
+phases put the pipeline around it (plan/pipeline.py): ``pipeline_bubble`` (fill and drain with free
+sends) and ``pipeline_send`` (what the activation and gradient sends between stages add, over the
+world's links). This is the closed form of the simulator's ``runtime`` schedule (sim/schedule.py).
 
 Memory per rank (:meth:`CostModel.memory`): expert weights, held borrowed copies, gradients (main
 grads at ``main_grad_bytes``), optimizer state (master weights + Adam moments, divided over the

@@ -169,7 +169,7 @@ def schedule_time(pp: int, virtual: int, m: int, f: float, b: float, sends: Send
     bwd = [p.seconds for p in sends.bwd] if sends else []
     link = sends.per_micro_batch.seconds if sends else 0.0
     if virtual == 1:
-        free = one_f_one_b(pp, m, f, b)
+        free = (m + pp - 1) * (f + b)  # what one_f_one_b gives with free sends (tests check it)
         # blocking sends of different boundaries may share an uplink: never faster than its bytes
         total = max(one_f_one_b(pp, m, f, b, fwd, bwd), m * link) if sends else free
     else:

@@ -100,6 +100,9 @@ class Workload:
                                                                 and chunks <= self.layers),
              "virtual_pipeline_model_parallel_size", f"needs PP > 1 and PP x v <= the {self.layers} layers",
              "use 1 (the 1F1B schedule) or fewer virtual stages")
+        need(self.virtual_pipeline_model_parallel_size == 1 or self.micro_batches >= self.pipeline_model_parallel_size,
+             "micro_batches", "the interleaved schedule needs at least PP micro-batches (Megatron's rule)",
+             "raise micro_batches or use the 1F1B schedule")
         need(not self.overlap_param_gather or self.distributed_optimizer, "overlap_param_gather",
              "needs distributed_optimizer (Megatron's rule)", "set distributed_optimizer or drop it")
         need(self.top_k <= self.num_experts, "top_k", f"cannot exceed num_experts={self.num_experts}",
