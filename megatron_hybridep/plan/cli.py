@@ -174,7 +174,9 @@ def header(r: PlanningResult) -> str:
         comp = f", shipped as {bytes_human(w.expert_wire_bytes)} ({ratio:.1f}x incl. indices)"
     skew = "skewed (routing counts)" if w.routing_counts is not None else "balanced"
     lines = [
-        f"topology  {t.name or t.source}: {t.describe()}",
+        f"topology  {t.name or t.source}: {t.describe()}"
+        + (f" per pipeline stage, {w.pipeline_model_parallel_size} stages" if w.pipeline_model_parallel_size > 1
+           else ""),
         f"model     {w.name or 'model'}: {w.num_experts} experts, top-{w.top_k}, {w.num_moe_layers} MoE layers, "
         f"{w.tokens} tokens/rank/micro-batch x {w.micro_batches} micro-batch(es), {skew} routing",
         f"layout    TP {w.tensor_model_parallel_size} x PP {w.pipeline_model_parallel_size}, "
