@@ -21,7 +21,7 @@ from megatron_hybridep.plan.pipeline import (
 )
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.planner import choose_plan
-from megatron_hybridep.plan.topology import GBPS, Level, Topology
+from megatron_hybridep.plan.topology import GBPS, Level, LinkOverride, Topology
 from megatron_hybridep.plan.workload import Workload
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -74,6 +74,15 @@ def test_a_stage_straddling_a_dc_boundary():
     assert p.seconds == pytest.approx(40 * MB / (10 * GBPS))
 
 
+def test_a_slow_dc_pair_slows_only_its_boundary():
+    slow_pair = (LinkOverride(1, 2, 1.0, 0.0),)
+    topo = Topology((Level("dc", 4, 10.0, 0.0, 10.0, slow_pair), Level("gpu", 8, 100.0, 0.0, 100.0)))
+    s = boundary_sends(topo, 4, 10 * MB)
+    fast, slow = 80 * MB / (10 * GBPS), 80 * MB / (1 * GBPS)
+    assert [p.seconds for p in s.fwd] == pytest.approx([fast, slow, fast])
+    assert [p.seconds for p in s.bwd] == pytest.approx([fast, slow, fast])
+
+
 def test_stages_spanning_several_dcs_send_dc_to_dc():
     # 4 DCs x 2, PP 2: stage 0 = DCs 0, 1; each DC's uplink carries its own 2 ranks only
     p = boundary_sends(dcs(4, 2), 2, 10 * MB).fwd[0]
@@ -106,6 +115,8 @@ def test_1f1b_blocking_sends_by_hand():
     assert one_f_one_b(3, 1, f, b, [c, c], [c, c]) == pytest.approx(3 * f + 3 * b + 4 * c)
     # 2 stages, 2 micro-batches: F0(0) c F1(0) B1(0) [grad 0 / act 1 exchanged: c] F1(1) B1(1) c B0(1)
     assert one_f_one_b(2, 2, f, b, [c], [c]) == pytest.approx(3 * f + 3 * b + 3 * c)
+    # one micro-batch walks every boundary once each way, whatever each one costs
+    assert one_f_one_b(3, 1, f, b, [0.1, 2.0], [0.3, 4.0]) == pytest.approx(3 * f + 3 * b + 0.1 + 2.0 + 0.3 + 4.0)
     # a slow backward link alone: the gradient hops (one per boundary) are on the path
     assert one_f_one_b(2, 1, f, b, [0.0], [5.0]) == pytest.approx(2 * f + 2 * b + 5.0)
 
