@@ -24,6 +24,7 @@ Stages are priced alike: f and b are the busiest stage's (plan/cost.py prices th
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,8 +66,8 @@ def boundary_sends(world: Topology, pp: int, nbytes: float, virtual: int = 1) ->
     ranks = np.arange(R)
     ones = np.full(R, float(nbytes))
 
-    def cost(src_stage: int, dst_stage: int, weight: float = 1.0) -> PhaseCost:
-        return net.flows(lay, ranks + src_stage * R, ranks + dst_stage * R, ones * weight)
+    def cost(src_stage: int, dst_stage: int) -> PhaseCost:
+        return net.flows(lay, ranks + src_stage * R, ranks + dst_stage * R, ones)
 
     fwd = tuple(cost(k, k + 1) for k in range(pp - 1))
     bwd = tuple(cost(k + 1, k) for k in range(pp - 1))
@@ -98,27 +99,29 @@ def one_f_one_b(pp: int, m: int, f: float, b: float, fwd: Sequence[float] = (), 
         kind, k, _ = msg
         return fwd[k] if kind == "a" else bwd[k]
 
-    while any(pc[s] < len(progs[s]) for s in range(pp)):
-        moved = False
-        for s in range(pp):
-            while pc[s] < len(progs[s]):
-                op = progs[s][pc[s]]
-                if op in ("F", "B"):
-                    clock[s] += f if op == "F" else b
-                else:  # a batched p2p op: a tuple of (side, message)
-                    for side, msg in op:
-                        posted.setdefault((msg, side), clock[s])
-                    if not all((msg, other) in posted for side, msg in op
-                               for other in ("send", "recv") if other != side):
-                        break  # the peer has not posted yet
-                    for _, msg in op:
-                        if msg not in done:
-                            done[msg] = max(posted[(msg, "send")], posted[(msg, "recv")]) + duration(msg)
-                    clock[s] = max([clock[s]] + [done[msg] for _, msg in op])
-                pc[s] += 1
-                moved = True
-        if not moved:  # pragma: no cover - the program is Megatron's, which does not deadlock
-            raise RuntimeError("1F1B replay deadlocked")
+    queue, queued = deque(range(pp)), [True] * pp  # a stage blocked on a peer waits for that peer to post
+    while queue:
+        s = queue.popleft()
+        queued[s] = False
+        while pc[s] < len(progs[s]):
+            op = progs[s][pc[s]]
+            if op in ("F", "B"):
+                clock[s] += f if op == "F" else b
+            else:  # a batched p2p op: a tuple of (side, message)
+                fresh = [posted.setdefault((msg, side), clock[s]) for side, msg in op if (msg, side) not in posted]
+                for peer in (s - 1, s + 1) if fresh else ():
+                    if 0 <= peer < pp and not queued[peer]:
+                        queue.append(peer)
+                        queued[peer] = True
+                if not all((msg, "recv" if side == "send" else "send") in posted for side, msg in op):
+                    break  # the peer has not posted yet
+                for _, msg in op:
+                    if msg not in done:
+                        done[msg] = max(posted[(msg, "send")], posted[(msg, "recv")]) + duration(msg)
+                clock[s] = max([clock[s]] + [done[msg] for _, msg in op])
+            pc[s] += 1
+    if any(pc[s] < len(progs[s]) for s in range(pp)):  # pragma: no cover - Megatron's program does not deadlock
+        raise RuntimeError("1F1B replay deadlocked")
     return max(clock)
 
 
