@@ -9,7 +9,8 @@ Pure Python + numpy (never torch or Megatron), so the planner, simulator and CLI
     result.best.save("plan.json")
 
 Modules: grid (mixed-radix coordinates), plan (Plan), pairs (Algorithm 1), topology, slurm, workload,
-network (alpha-beta link model), cost (tier b, ours), paper_model (tier a, the paper's), planner, cli.
+network (alpha-beta link model), pipeline (sends between stages, 1F1B and interleaved schedules), cost
+(tier b, ours), paper_model (tier a, the paper's), planner, cli.
 """
 
 from megatron_hybridep.plan.cost import CostBreakdown, CostModel, LevelBreakdown, MemoryBreakdown

@@ -174,7 +174,9 @@ def header(r: PlanningResult) -> str:
         comp = f", shipped as {bytes_human(w.expert_wire_bytes)} ({ratio:.1f}x incl. indices)"
     skew = "skewed (routing counts)" if w.routing_counts is not None else "balanced"
     lines = [
-        f"topology  {t.name or t.source}: {t.describe()}",
+        f"topology  {t.name or t.source}: {t.describe()}"
+        + (f" per pipeline stage, {w.pipeline_model_parallel_size} stages" if w.pipeline_model_parallel_size > 1
+           else ""),
         f"model     {w.name or 'model'}: {w.num_experts} experts, top-{w.top_k}, {w.num_moe_layers} MoE layers, "
         f"{w.tokens} tokens/rank/micro-batch x {w.micro_batches} micro-batch(es), {skew} routing",
         f"layout    TP {w.tensor_model_parallel_size} x PP {w.pipeline_model_parallel_size}, "
@@ -182,10 +184,21 @@ def header(r: PlanningResult) -> str:
         + (f"{bytes_human(t.memory_bytes)} per rank" if t.memory_bytes else "none stated"),
         f"traffic   D = {bytes_human(w.dispatch_bytes)} per all-to-all per rank; expert "
         f"{bytes_human(w.expert_bytes)}{comp}; T_pre = {seconds_human(w.t_pre)} per MoE layer",
+        *([f"pipeline  {_pipeline_line(w)}"] if w.pipeline_model_parallel_size > 1 else []),
         "cost      " + ("ours: forward+backward, alpha-beta links, uplink contention; exposed time per iteration"
                         if r.cost_model == "ours" else "paper: the stream model (forward only); time per iteration"),
     ]
     return "\n".join(lines)
+
+
+def _pipeline_line(w: Workload) -> str:
+    v = w.virtual_pipeline_model_parallel_size
+    schedule = f"interleaved ({v} chunks per rank, sends overlapped)" if v > 1 else "1F1B (blocking sends)"
+    dp = [f for f, on in (("overlap_grad_reduce", w.overlap_grad_reduce),
+                          ("overlap_param_gather", w.overlap_param_gather)) if on]
+    return (f"{w.pipeline_model_parallel_size} stages, {schedule}; {bytes_human(w.pipeline_send_bytes)} of "
+            f"activations per rank per send; the table prices one stage's work plus the pipeline; "
+            f"data-parallel reductions {'overlapped: ' + ', '.join(dp) if dp else 'blocking'}")
 
 
 def _row(r: PlanningResult, c: Candidate, wan: str) -> list[str]:
@@ -203,16 +216,21 @@ def _row(r: PlanningResult, c: Candidate, wan: str) -> list[str]:
             seconds_human(sum_of(P.TOKEN_A2A_FWD, P.TOKEN_A2A_BWD)),
             seconds_human(sum_of(P.EXPERT_ALLGATHER, P.SHARED_SYNC, P.REPLICA_WEIGHTS)),
             seconds_human(sum_of(P.GRAD_RETURN, P.REPLICA_GRAD_RETURN)),
-            seconds_human(sum_of(P.EXPERT_GRAD_ALLREDUCE)), seconds_human(sum_of(P.DENSE_GRAD_ALLREDUCE)),
+            seconds_human(sum_of(P.EXPERT_GRAD_ALLREDUCE)), seconds_human(sum_of(P.DENSE_GRAD_ALLREDUCE))] + (
+            [seconds_human(sum_of(P.PIPELINE_BUBBLE)), seconds_human(sum_of(P.PIPELINE_SEND))] if _piped(r) else []) + [
             bytes_human(lv.uplink_bytes) if lv and r.cost_model == "ours" else "-",
             bytes_human(mem)]
+
+
+def _piped(r: PlanningResult) -> bool:
+    return r.workload.pipeline_model_parallel_size > 1 and r.cost_model == "ours"
 
 
 def table(r: PlanningResult, top: int | None = None) -> str:
     lay = r.layout
     wan = r.topology.levels[0].name
     heads = ["", "plan", "domain x rail", "copies", "total", "vs EP", "compute", "token a2a", "gather*", "grad ret*",
-             "allreduce*", "dense ar*", f"{wan} uplink", "memory"]
+             "allreduce*", "dense ar*"] + (["bubble", "pp send*"] if _piped(r) else []) + [f"{wan} uplink", "memory"]
     cands = r.candidates[:top] if top else r.candidates
     rows = [heads] + [_row(r, c, wan) for c in cands]
     widths = [max(len(row[i]) for row in rows) for i in range(len(heads))]

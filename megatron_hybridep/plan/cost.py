@@ -21,16 +21,19 @@ Beyond the paper's stream model (paper_model.py) it counts, per MoE layer and mi
   fits the memory limit (:func:`resolve_borrowed_copies`), else microbatch;
 - domains with S > 1 and a refreshed shared expert: one all-reduce per layer over the EP group
   (amortised per step), blocking, before that layer's first gather of the step;
-- once per iteration after the backward (Megatron's finalize_model_grads, DDP built with
-  overlap_grad_reduce=False, so exposed): the dense-parameter gradient all-reduce over the
+- once per iteration after the backward (Megatron's finalize_model_grads; exposed unless the
+  workload sets overlap_grad_reduce / overlap_param_gather: :func:`data_parallel_exposed`): the
+  dense-parameter gradient all-reduce over the
   data-parallel group (``dense_grad_allreduce``, a ring on the links it crosses; every plan pays it
   alike, but it is real time on a slow WAN and the scheduler's calibration needs it apart from
   compute), then one all-reduce of all expert gradients over the expert data-parallel replicas;
 - for the replicated plan (EP inside each DC, experts in every DC): no gathers, that all-reduce
   over all DCs, and the memory of full expert replicas with their optimizer state.
-With pipeline parallelism the model prices one stage (its MoE layers, its ranks: EP groups and
-data-parallel groups live inside a stage); pipeline bubbles and activation sends are not priced.
-This is the closed form of the simulator's ``runtime`` schedule (sim/schedule.py).
+With pipeline parallelism the phases above are one stage's (its MoE layers, its ranks: EP groups
+and data-parallel groups live inside a stage; the busiest stage stands for all), and two more
+phases put the pipeline around it (plan/pipeline.py): ``pipeline_bubble`` (fill and drain with free
+sends) and ``pipeline_send`` (what the activation and gradient sends between stages add, over the
+world's links). This is the closed form of the simulator's ``runtime`` schedule (sim/schedule.py).
 
 Memory per rank (:meth:`CostModel.memory`): expert weights, held borrowed copies, gradients (main
 grads at ``main_grad_bytes``), optimizer state (master weights + Adam moments, divided over the
@@ -58,6 +61,7 @@ from megatron_hybridep.plan.network import (
     world_domain_sizes,
 )
 from megatron_hybridep.plan.phases import EXPOSED, Phase
+from megatron_hybridep.plan.pipeline import Sends, boundary_sends, schedule_time
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import EPLayout, Topology
 from megatron_hybridep.plan.workload import Workload
@@ -170,6 +174,16 @@ class CostModel:
                             f"(TP {tp} x PP {workload.pipeline_model_parallel_size}) = {dp}; fix: set it to {dp} "
                             "or leave it out")
         self.dp = dp
+        self._sends: Sends | None = None
+
+    @property
+    def sends(self) -> Sends:
+        """The pipeline's sends of one micro-batch over the world's links (plan/pipeline.py)."""
+        if self._sends is None:
+            w = self.workload
+            self._sends = boundary_sends(self.world, w.pipeline_model_parallel_size, w.pipeline_send_bytes,
+                                         w.virtual_pipeline_model_parallel_size)
+        return self._sends
 
     def layout(self, ep_size: int) -> EPLayout:
         if ep_size not in self._layouts:
@@ -302,6 +316,9 @@ class CostModel:
         first, later, restart = (max(0.0, ag.seconds - cover) for cover in (t_pre + a2a, t_pre + 2 * a2a, a2a))
         gathers = first + (Lm - 1) * later + (mg - 1) * (restart + (Lm - 1) * later)
         dense = self.dense_allreduce()
+        f = t_pre * Lm + expert_fwd + 2 * a2a_total  # one micro-batch on this stage, forward
+        b = 2 * (t_pre * Lm + expert_fwd) + 2 * a2a_total
+        dense_s, expert_s = data_parallel_exposed(w, dense.seconds, allreduce.seconds, f, b)
         phases = {
             Phase.PRE_COMPUTE: 3 * t_pre * Lm * m,
             Phase.EXPERT_COMPUTE: 3 * expert_fwd * m,
@@ -310,8 +327,8 @@ class CostModel:
             Phase.EXPERT_ALLGATHER: gathers,
             Phase.GRAD_RETURN: Lm * mg * rs.seconds,
             Phase.SHARED_SYNC: Lm * shared.seconds,
-            Phase.DENSE_GRAD_ALLREDUCE: dense.seconds,
-            Phase.EXPERT_GRAD_ALLREDUCE: allreduce.seconds,
+            Phase.DENSE_GRAD_ALLREDUCE: dense_s,
+            Phase.EXPERT_GRAD_ALLREDUCE: expert_s,
         }
         raw = {"t_pre": t_pre, "expert_fwd": expert_fwd / Lm, "a2a": a2a_total / Lm,
                Phase.EXPERT_ALLGATHER: ag.seconds, Phase.GRAD_RETURN: rs.seconds, Phase.SHARED_SYNC: shared.seconds,
@@ -320,6 +337,21 @@ class CostModel:
         occurrences = [(Phase.TOKEN_A2A, p, 4 * m * per_layer) for p in a2a_layers] + [
             (Phase.EXPERT_ALLGATHER, ag, Lm * mg), (Phase.GRAD_RETURN, rs, Lm * mg), (Phase.SHARED_SYNC, shared, Lm),
             (Phase.DENSE_GRAD_ALLREDUCE, dense, 1), (Phase.EXPERT_GRAD_ALLREDUCE, allreduce, 1)]
+        P, v = w.pipeline_model_parallel_size, w.virtual_pipeline_model_parallel_size
+        notes = []
+        if P > 1:
+            sends = self.sends
+            pipe = schedule_time(P, v, m, f, b, sends)
+            phases[Phase.PIPELINE_BUBBLE] = pipe.bubble
+            phases[Phase.PIPELINE_SEND] = pipe.send
+            raw.update({"stage_fwd": f, "stage_bwd": b, Phase.PIPELINE_SEND: sends.per_micro_batch.seconds,
+                        "pipeline_send_fwd": max(p.seconds for p in sends.fwd),
+                        "pipeline_send_bwd": max(p.seconds for p in sends.bwd)})
+            occurrences.append((Phase.PIPELINE_SEND, sends.per_micro_batch, m))
+            schedule = f"interleaved, {v} chunks per rank" if v > 1 else "1F1B"
+            notes.append(f"pipeline: {P} stages, {schedule}, {m} micro-batches; {bytes_human(w.pipeline_send_bytes)} "
+                         f"per rank per send; bubble {seconds_human(pipe.bubble)}, sends add "
+                         f"{seconds_human(pipe.send)}")
         levels = []
         for lvl, lv in enumerate(self.topology.levels):
             secs: dict[str, float] = {}
@@ -330,13 +362,32 @@ class CostModel:
                 link += p.pair_bytes[lvl] * count
                 up += p.uplink_bytes[lvl] * count
             levels.append(LevelBreakdown(lv.name, link, up, secs))
-        notes = []
         if w.routing_counts is not None:
             notes.append("skewed routing from routing_counts")
         if plan.kind == "domains" and S > 1:
             notes.append(f"borrowed copies: {why}")
         return CostBreakdown("ours", sum(phases.values()), phases, raw, tuple(levels),
                              self.memory(plan, lay, mode), tuple(notes), mode, why)
+
+
+def data_parallel_exposed(w: Workload, dense: float, expert: float, fwd: float, bwd: float) -> tuple[float, float]:
+    """Exposed seconds of the dense and expert data-parallel reductions (``dense`` / ``expert``: each
+    alone). Under the distributed optimizer half of each ring is the reduce-scatter of gradients and
+    half the all-gather of parameters (priced at today's bytes). overlap_grad_reduce hides the
+    gradient part behind one micro-batch's backward ``bwd`` (Megatron syncs gradients only in the
+    last one); overlap_param_gather hides the gather behind the next iteration's first forward
+    ``fwd``. Both reductions share the cover, which is split in proportion to their times."""
+    total = dense + expert
+    if total <= 0 or not (w.overlap_grad_reduce or w.overlap_param_gather):
+        return dense, expert
+    gather = total / 2 if w.distributed_optimizer else 0.0
+    reduce = total - gather
+    if w.overlap_grad_reduce:
+        reduce = max(0.0, reduce - bwd)
+    if w.overlap_param_gather:
+        gather = max(0.0, gather - fwd)
+    share = (reduce + gather) / total
+    return dense * share, expert * share
 
 
 def resolve_borrowed_copies(topology: Topology, workload: Workload, plan: Plan,

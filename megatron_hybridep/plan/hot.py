@@ -124,7 +124,7 @@ def evaluate(model: CostModel, plan: Plan) -> CostBreakdown:
         return model.evaluate(plan)
     w, G, E = model.workload, plan.ep_size, plan.num_experts
     if w.routing_for(G) is None:
-        model = CostModel(model.topology, w.replace(routing_counts=np.full((G, E), w.tokens * w.top_k / E)))
+        model = CostModel(model.world, w.replace(routing_counts=np.full((G, E), w.tokens * w.top_k / E)))
     c = model.evaluate(plan)
     lay = model.layout(G)
     experts, dst = (np.array(x, dtype=np.int64) for x in zip(*plan.replicas.pairs, strict=True))

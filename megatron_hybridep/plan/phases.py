@@ -28,6 +28,8 @@ class Phase(StrEnum):
     EXPERT_GRAD_ALLREDUCE = "expert_grad_allreduce"    # expert gradients across expert-data parallelism
     REPLICA_WEIGHTS = "replica_weights"                # hot replicas' weights sent to their hosts
     REPLICA_GRAD_RETURN = "replica_grad_return"        # and their gradients sent back
+    PIPELINE_BUBBLE = "pipeline_bubble"                # stages idle while the pipeline fills and drains
+    PIPELINE_SEND = "pipeline_send"                    # what activation / gradient sends between stages add
 
 
 # exposed-time phases, in the order they are reported; they sum to the iteration time
@@ -36,7 +38,9 @@ EXPOSED: tuple[Phase, ...] = (
     Phase.GRAD_RETURN, Phase.SHARED_SYNC, Phase.DENSE_GRAD_ALLREDUCE, Phase.EXPERT_GRAD_ALLREDUCE)
 # what hot replicas add to EXPOSED (plan/hot.py)
 REPLICA: tuple[Phase, ...] = (Phase.REPLICA_WEIGHTS, Phase.REPLICA_GRAD_RETURN)
+# what pipeline parallelism adds to EXPOSED (plan/pipeline.py; only with PP > 1)
+PIPELINE: tuple[Phase, ...] = (Phase.PIPELINE_BUBBLE, Phase.PIPELINE_SEND)
 # the runtime's collectives the training step waits on (the rest are prefetched or overlapped)
 BLOCKING: tuple[Phase, ...] = (Phase.TOKEN_DISPATCH, Phase.TOKEN_COMBINE, Phase.TOKEN_A2A_BWD, Phase.GRAD_RETURN)
 
-__all__ = ["BLOCKING", "EXPOSED", "REPLICA", "Phase"]
+__all__ = ["BLOCKING", "EXPOSED", "PIPELINE", "REPLICA", "Phase"]

@@ -46,6 +46,11 @@ class Workload:
     #   group (dense params) / the expert data-parallel group (expert params), as Megatron's distributed optimizer
     tensor_model_parallel_size: int = 1      # TP: divides dense and expert params (expert TP = TP)
     pipeline_model_parallel_size: int = 1    # PP: a stage holds 1/PP of the layers; EP groups live inside a stage
+    virtual_pipeline_model_parallel_size: int = 1  # model chunks per pipeline rank (> 1: the interleaved schedule)
+    sequence_parallel: bool = False          # activations between stages are split over TP (each rank sends 1/TP)
+    overlap_grad_reduce: bool = False        # Megatron DDP reduces gradients during the last micro-batch's backward
+    overlap_param_gather: bool = False       # the distributed optimizer's parameter all-gather runs during the next
+    #   iteration's first forward (needs distributed_optimizer)
     data_parallel_size: int = 0              # dense DP (0 = world / (TP x PP)); checked against it
     vocab_size: int = 0                      # embedding rows (input + output, untied), counted as dense params
     dense_params: int | None = None          # all non-expert params (None = estimated from the shape)
@@ -72,7 +77,8 @@ class Workload:
 
         for fld in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k", "num_moe_layers", "seq_length",
                     "micro_batch_size", "micro_batches", "activation_bytes", "weight_bytes", "grad_bytes",
-                    "main_grad_bytes", "tensor_model_parallel_size", "pipeline_model_parallel_size"):
+                    "main_grad_bytes", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                    "virtual_pipeline_model_parallel_size"):
             v = getattr(self, fld)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, fld, "must be a positive integer",
                  "set it from the model config")
@@ -89,6 +95,16 @@ class Workload:
              "use nccl on GPUs, gloo on CPU ranks")
         need(self.pipeline_model_parallel_size <= self.layers, "pipeline_model_parallel_size",
              f"cannot exceed the {self.layers} layers", "use fewer pipeline stages")
+        chunks = self.pipeline_model_parallel_size * self.virtual_pipeline_model_parallel_size
+        need(self.virtual_pipeline_model_parallel_size == 1 or (self.pipeline_model_parallel_size > 1
+                                                                and chunks <= self.layers),
+             "virtual_pipeline_model_parallel_size", f"needs PP > 1 and PP x v <= the {self.layers} layers",
+             "use 1 (the 1F1B schedule) or fewer virtual stages")
+        need(self.virtual_pipeline_model_parallel_size == 1 or self.micro_batches >= self.pipeline_model_parallel_size,
+             "micro_batches", "the interleaved schedule needs at least PP micro-batches (Megatron's rule)",
+             "raise micro_batches or use the 1F1B schedule")
+        need(not self.overlap_param_gather or self.distributed_optimizer, "overlap_param_gather",
+             "needs distributed_optimizer (Megatron's rule)", "set distributed_optimizer or drop it")
         need(self.top_k <= self.num_experts, "top_k", f"cannot exceed num_experts={self.num_experts}",
              "lower --moe-router-topk")
         need(self.num_layers == 0 or self.num_layers >= self.num_moe_layers, "num_layers",
@@ -128,6 +144,13 @@ class Workload:
     def tokens(self) -> int:
         """Tokens per rank per micro-batch."""
         return self.tokens_per_rank or self.seq_length * self.micro_batch_size
+
+    @property
+    def pipeline_send_bytes(self) -> float:
+        """Bytes one rank sends to the next pipeline stage per micro-batch (and receives back as the
+        gradient): the hidden states of its micro-batch, split over TP under sequence parallelism."""
+        tp = self.tensor_model_parallel_size if self.sequence_parallel else 1
+        return self.tokens * self.hidden_size * self.activation_bytes / tp
 
     @property
     def layers(self) -> int:

@@ -16,6 +16,9 @@ FIELDS = {
     "shared_sync_bytes": "shared_sync_bytes_per_layer", "throughput_tflops": "throughput_tflops",
     "borrowed_copies": "borrowed_copies", "pipeline_model_parallel_size": "pipeline_model_parallel_size",
     "tensor_model_parallel_size": "tensor_model_parallel_size", "distributed_optimizer": "distributed_optimizer",
+    "num_virtual_stages_per_pipeline_rank": "virtual_pipeline_model_parallel_size",
+    "sequence_parallel": "sequence_parallel", "overlap_grad_reduce": "overlap_grad_reduce",
+    "overlap_param_gather": "overlap_param_gather",
 }
 
 
@@ -53,6 +56,16 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, parallelism: bool
                           help="tensor parallelism: divides dense and expert parameters")
         what.add_argument("--distributed-optimizer", action="store_true", default=None,
                           help="shard optimizer state over the (expert) data-parallel group (Megatron's)")
+        what.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, metavar="V",
+                          help="model chunks per pipeline rank: the interleaved schedule (Megatron's flag)")
+        what.add_argument("--sequence-parallel", action="store_true", default=None,
+                          help="activations sent between pipeline stages are split over TP")
+        what.add_argument("--overlap-grad-reduce", action="store_true", default=None,
+                          help="price the data-parallel gradient reductions as overlapped with the last "
+                               "micro-batch's backward (Megatron's flag; default: blocking)")
+        what.add_argument("--overlap-param-gather", action="store_true", default=None,
+                          help="price the distributed optimizer's parameter all-gather as overlapped with the "
+                               "first micro-batch's forward (Megatron's flag; needs --distributed-optimizer)")
     what.add_argument("--routing-counts", metavar="FILE",
                       help="tokens from each EP rank to each expert (.npy or .csv, shape (ep_size, experts))")
     what.add_argument("--skew", type=float, metavar="ALPHA",

@@ -19,7 +19,9 @@
   (blocking), attention backward (2x T_pre);
 - after the last micro-batch Megatron's finalize_model_grads all-reduces the dense gradients over
   the data-parallel group, then the expert gradients over the expert data-parallel replicas
-  (blocking: the runtime builds DDP with overlap_grad_reduce=False; sim/simulate.py appends them);
+  (sim/simulate.py appends them, blocking; with the workload's overlap_grad_reduce /
+  overlap_param_gather it then hides them as tier b does, and with PP > 1 it puts tier b's
+  pipeline schedule around the simulated stage: ``_pipeline_and_overlap``);
 - shared+residual compression refreshes the shared expert inside ``DomainGather.start()`` (a
   blocking all-reduce over the EP group, every refresh_every steps: its bytes come amortised per
   step), before the first gather of each layer in a step;

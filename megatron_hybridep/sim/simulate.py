@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_hybridep.plan.cost import CostModel, check_plan
+from megatron_hybridep.plan.cost import CostModel, check_plan, data_parallel_exposed
 from megatron_hybridep.plan.hot import REPLICA_PHASES
 from megatron_hybridep.plan.network import (
     Family,
@@ -42,6 +42,7 @@ from megatron_hybridep.plan.network import (
     world_domain_sizes,
 )
 from megatron_hybridep.plan.phases import Phase
+from megatron_hybridep.plan.pipeline import schedule_time
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import EPLayout, Topology
 from megatron_hybridep.plan.workload import Workload
@@ -312,6 +313,8 @@ def simulate(topology: Topology, workload: Workload, plan: Plan | None = None, *
         if k not in phases:
             phases[k] = v
     forward = sum(s.seconds for s in spans if s.kind != "async" and s.stage == "fwd")
+    if options.backward:
+        total += _pipeline_and_overlap(model, spans, phases)
     ops, traffic = _reports(spans, reports_sets)
     notes = []
     if workload.routing_counts is not None:
@@ -326,6 +329,28 @@ def simulate(topology: Topology, workload: Workload, plan: Plan | None = None, *
         notes.append(f"{len(plan.replicas)} hot-expert replicas: exact weights to each replica before its "
                      "layer's dispatch, gradients back in its backward (replica_weights, replica_grad_return)")
     return SimResult(plan, total, phases, forward, spans, ops, classes, stats, traffic, notes)
+
+
+def _pipeline_and_overlap(model: CostModel, spans: Sequence[Span], phases: dict[str, float]) -> float:
+    """Tier b's closed forms on the simulated stage (plan/cost.py, plan/pipeline.py): the data-parallel
+    reductions hidden by the overlap flags and the pipeline around the stage; updates ``phases``,
+    returns the change of the total. A stage's micro-batch: its compute and token all-to-alls."""
+    w, m = model.workload, model.workload.micro_batches
+    work = (Phase.PRE_COMPUTE, Phase.EXPERT_COMPUTE, Phase.TOKEN_A2A_FWD, Phase.TOKEN_A2A_BWD)
+    f = sum(s.seconds for s in spans if s.kind != "async" and s.stage == "fwd" and s.phase in work) / m
+    b = sum(s.seconds for s in spans if s.kind != "async" and s.stage == "bwd" and s.phase in work) / m
+    before = sum(phases.get(p, 0.0) for p in (Phase.DENSE_GRAD_ALLREDUCE, Phase.EXPERT_GRAD_ALLREDUCE))
+    dense, expert = data_parallel_exposed(w, phases.get(Phase.DENSE_GRAD_ALLREDUCE, 0.0),
+                                          phases.get(Phase.EXPERT_GRAD_ALLREDUCE, 0.0), f, b)
+    if before:
+        phases[Phase.DENSE_GRAD_ALLREDUCE], phases[Phase.EXPERT_GRAD_ALLREDUCE] = dense, expert
+    delta = dense + expert - before
+    if w.pipeline_model_parallel_size > 1:
+        pipe = schedule_time(w.pipeline_model_parallel_size, w.virtual_pipeline_model_parallel_size, m, f, b,
+                             model.sends)
+        phases[Phase.PIPELINE_BUBBLE], phases[Phase.PIPELINE_SEND] = pipe.bubble, pipe.send
+        delta += pipe.bubble + pipe.send
+    return delta
 
 
 def _add_stats(into: EngineStats, s: EngineStats) -> None:
