@@ -81,11 +81,6 @@ def write_csv(rows: Sequence[Row], path: Path) -> None:
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in asdict(r).items()})
 
 
-def read_csv(path: Path) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def _ms(s: float) -> str:
     return f"{s * 1e3:,.0f}" if s < 10 else f"{s:,.1f}s"
 

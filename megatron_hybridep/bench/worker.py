@@ -259,7 +259,7 @@ class Worker:
                               hold_copies=self.spec.get("hold_copies", True))
         m = self.spec["model"]
         expert = 2 * m["hidden_size"] * m["ffn_hidden_size"]
-        sync = 0.0 if getattr(cfg, "incremental", False) else \
+        sync = 0.0 if cfg.incremental else \
             SharedExpertRule(cfg.shared_refresh_every).sync_bytes_per_step(expert, torch.float32)
         return cfg, sync
 

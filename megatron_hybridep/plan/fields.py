@@ -47,12 +47,6 @@ class FieldReader:
             raise PlanError(f"{self.field(key)}: expected a non-empty string, got {value!r}")
         return value
 
-    def boolean(self, key: str, default: Any = _MISSING) -> Any:
-        value = self.raw(key, default)
-        if not isinstance(value, bool):
-            raise PlanError(f"{self.field(key)}: expected true or false, got {value!r}")
-        return value
-
     def integer(self, key: str, default: Any = _MISSING, *, minimum: int | None = None,
                 fix: str = "") -> Any:
         value = self.raw(key, default)

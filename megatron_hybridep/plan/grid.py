@@ -40,12 +40,6 @@ def coord_array(ranks: np.ndarray, counts: Sequence[int]) -> np.ndarray:
     return (ranks[..., None] // pv) % np.asarray(counts, dtype=np.int64)
 
 
-def rank_array(coords: np.ndarray, counts: Sequence[int]) -> np.ndarray:
-    """Vectorised rank_of over the last axis."""
-    pv = np.asarray(place_values(counts), dtype=np.int64)
-    return (np.asarray(coords, dtype=np.int64) * pv).sum(axis=-1)
-
-
 def divisors(n: int) -> tuple[int, ...]:
     small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return tuple(sorted(set(small + [n // d for d in small])))

@@ -157,10 +157,6 @@ class Testbed:
         """The uplink interface inside every DC namespace (what gloo binds to)."""
         return DC_DEV
 
-    @property
-    def is_up(self) -> bool:
-        return self._is_up
-
     def _check_dc(self, dc: int) -> None:
         if not 0 <= dc < self.dcs:
             raise TestbedError(f"no DC {dc}: the testbed has DCs 0..{self.dcs - 1}")

@@ -6,7 +6,6 @@ small keyword config (GPTMoEArgs) for the bench, the benchmarks and the tests.""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -256,7 +255,3 @@ def _mean_loss(losses: list[dict[str, torch.Tensor]]) -> float:
         return math.nan
     total = torch.stack([x["lm loss"] for x in losses]).sum(dim=0)
     return (total[0] / total[1]).item()
-
-
-def replace_args(args: GPTMoEArgs, **changes: Any) -> GPTMoEArgs:
-    return dataclasses.replace(args, **changes)
