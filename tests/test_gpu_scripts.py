@@ -32,6 +32,24 @@ def test_loop_overhead_commands_parse(capsys):
                 "transformer_impl=local") in out
 
 
+def test_loop_overhead_runs_are_valid_megatron_jobs():
+    from megatron_hybridep.megatron.arguments import parse
+
+    loop = _load("gpu_loop_overhead")
+    args = parse(loop.pretrain_argv("hybridep", "configs/presets/paper_s.yaml", 20, False, []))
+    # Megatron's pretrain divides by eval_interval even with --eval-iters 0 (failed on the H100)
+    assert isinstance(args.eval_interval, int) and args.eval_interval > 0
+    assert not args.apply_rope_fusion and not args.gradient_accumulation_fusion  # need TE / Apex
+
+
+def test_loop_overhead_runs_ranks_sharing_the_gpu_as_one_process_nodes(capsys):
+    loop = _load("gpu_loop_overhead")
+    assert loop.main(["--dry-run", "--local", "--ranks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "--nnodes 2 --node-rank 0" in out and "--nnodes 2 --node-rank 1" in out
+    assert "ep=2 bf16=True distributed_optimizer=False" in out  # gloo: no reduce-scatter
+
+
 def test_codec_benchmark_runs_its_logic_on_cpu(capsys):
     codec = _load("gpu_codec")
     assert codec.model_sizes() == {"deepseek-v3-like": 44_040_192, "paper-l/xl": 8_388_608, "paper-m": 4_718_592,

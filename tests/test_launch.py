@@ -58,6 +58,11 @@ def test_results_come_back_by_rank(tmp_path):
     _assert_all_gone(str(tmp_path))
 
 
+def test_spawned_ranks_give_the_same_results(tmp_path):
+    # CUDA ranks are spawned (a forked child cannot use CUDA once its parent has)
+    assert run_ranks(_allreduce, 2, str(tmp_path), timeout=120, start_method="spawn") == [(0, 3.0), (1, 3.0)]
+
+
 def test_failure_reports_traceback_and_stops_peers(tmp_path):
     start = time.monotonic()
     with pytest.raises(RankFailure) as info:

@@ -81,3 +81,11 @@ def test_bad_shapes_are_refused():
                           lr=1e-3, step=1)
     with pytest.raises(ValueError, match="step counts optimizer steps from 1"):
         F.adamw_step_hist(p, p.clone(), p.clone(), p.clone(), p.clone(), None, lr=1e-3, step=0)
+
+
+def test_decode_grid_puts_tiles_on_the_axis_without_cuda_s_65535_cap():
+    from megatron_hybridep.kernels._fused_triton import decode_rows_grid
+
+    assert decode_rows_grid(8, 172_032) == (172_032, 8)  # a 44M-element DeepSeek-V3 expert row, 8 rows
+    with pytest.raises(ValueError, match="65535"):
+        decode_rows_grid(70_000, 4)

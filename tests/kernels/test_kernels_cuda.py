@@ -66,3 +66,18 @@ def test_encode_decode_speed_report():
     print(f"\n[gpu] 8.4M-param bf16 expert, 50x: encode {enc:.3f} ms, decode {dec:.3f} ms "
           f"({torch.cuda.get_device_name()})")
     assert enc > 0 and dec > 0
+
+
+def test_fused_decode_of_a_deepseek_size_layer():
+    """A row of 17M elements has more 256-element tiles than CUDA allows on grid axis 1 (65535): the
+    launch failed with 'invalid argument' at DeepSeek-V3 size until tiles moved to axis 0."""
+    n, rows = 17_000_000, 2
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = torch.randn(rows, n, device="cuda", generator=g).to(torch.bfloat16)
+    base = torch.randn(rows, n, device="cuda", generator=g).to(torch.bfloat16) * 0.1
+    shift = (torch.randn(n, device="cuda", generator=g) * 0.01).to(torch.bfloat16)
+    codec = SharedResidualCodec(50)
+    payloads = codec.encode_batch(w, base + shift)
+    want = codec.decode_batch(payloads, base + shift, out=torch.empty_like(w))
+    got = codec.decode_rows(payloads, base, out=torch.empty_like(w), shift=shift)
+    assert torch.equal(got, want)
