@@ -1,8 +1,10 @@
-"""The one place that knows which megatron-core versions this plugin supports."""
+"""The one place that knows which megatron-core versions this plugin supports, and which optional
+NVIDIA extensions (TransformerEngine, a fused wgrad kernel) it uses."""
 
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from packaging.version import Version
 
@@ -58,3 +60,13 @@ def check_transformer_impl(transformer_impl: str) -> None:
         raise ImportError(
             "--transformer-impl transformer_engine needs TransformerEngine, which is not importable. "
             "Fix: pip install --no-build-isolation '.[gpu]' (docs/gpu.md), or pass --transformer-impl local")
+
+
+def use_wgrad_kernel(kernel: Any) -> None:
+    """Point Megatron's local linear layers at a fused wgrad kernel with Apex's
+    ``fused_weight_gradient_mlp_cuda`` interface (--gradient-accumulation-fusion without Apex:
+    megatron_hybridep.testing.fused_wgrad's stand-in). Call before the model is built."""
+    from megatron.core.tensor_parallel import layers
+
+    layers.fused_weight_gradient_mlp_cuda = kernel
+    layers._grad_accum_fusion_available = True

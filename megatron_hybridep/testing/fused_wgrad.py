@@ -21,8 +21,7 @@ STAND_IN = types.SimpleNamespace(wgrad_gemm_accum_fp32=_wgrad_accum, wgrad_gemm_
 def install() -> types.SimpleNamespace:
     """Make Megatron's linear layers use the stand-in (before the model is built). Returns it;
     ``calls`` counts the fused wgrad calls."""
-    from megatron.core.tensor_parallel import layers
+    from megatron_hybridep.megatron.compat import use_wgrad_kernel
 
-    layers.fused_weight_gradient_mlp_cuda = STAND_IN
-    layers._grad_accum_fusion_available = True
+    use_wgrad_kernel(STAND_IN)
     return STAND_IN
