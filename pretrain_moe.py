@@ -71,15 +71,18 @@ def _launched_rank(argv: list[str]) -> int:
 
     dist.init_process_group("gloo", **({"timeout": timedelta(seconds=stall)} if stall else {}))
     from megatron_hybridep.runtime import reachability
+    from megatron_hybridep.train.launch import progress_status
 
-    # gloo's timeout names no peer: a beacon per rank lets a failed rank say which peers it cannot reach
+    # gloo's timeout names no peer: a beacon per rank lets a failed rank say which peers it cannot
+    # reach, and which live one is stalled (its beacon replies with its progress)
     try:
-        beacon = reachability.Beacon()
+        beacon = reachability.Beacon(status=progress_status)
     except OSError:
         beacon = None  # no address to listen on: the error line then names no peer
     dc = int(os.environ["HYBRIDEP_DC"]) if "HYBRIDEP_DC" in os.environ else None
     peers: list = [None] * dist.get_world_size()
-    me = reachability.Peer(dist.get_rank(), dc, beacon.host if beacon else "", beacon.port if beacon else 0)
+    me = reachability.Peer(dist.get_rank(), dc, beacon.host if beacon else "", beacon.port if beacon else 0,
+                           answers=beacon is not None)
     dist.all_gather_object(peers, me)
     args.hybridep_collective_timeout = stall  # every group's collectives, not only the world group's
     try:
@@ -88,9 +91,11 @@ def _launched_rank(argv: list[str]) -> int:
         if not reachability.is_comm_failure(e):
             raise
         rank = dist.get_rank()
+        progress: dict = {}
         status = reachability.probe([p for p in peers if p.rank != rank and p.port],
-                                    settle_s=0 if reachability.is_timeout(e) else 0.5)
-        line = reachability.failure_line(rank, dc, stall, status, {p.rank: p.dc for p in peers}, e)
+                                    settle_s=0 if reachability.is_timeout(e) else 0.5, progress=progress)
+        line = reachability.failure_line(rank, dc, stall, status, {p.rank: p.dc for p in peers}, e, progress,
+                                         reachability.Progress.parse(progress_status()))
         sys.stdout.flush()
         print(f"pretrain_moe.py: error: {line}", file=sys.stderr, flush=True)
         os._exit(1)  # not destroy_process_group: it may wait on the peers that are gone

@@ -35,6 +35,7 @@ _CTX: mp.context.ForkServerContext | None = None
 _SLOTS = 4  # per rank: progress beats, iteration, median step seconds, predicted step seconds
 _PHASE = 32  # bytes of phase text per rank
 _BEAT: tuple[Any, Any, int, list[float]] | None = None  # (numbers, phases, rank, step seconds) in a rank
+_LAST: list[Any] = [0, 0, "start-up", time.monotonic()]  # beats, iteration, phase, when: progress_status()
 
 
 
@@ -79,6 +80,7 @@ def progress(iteration: int, phase: str, step_seconds: float | None = None,
              predicted_seconds: float | None = None) -> None:
     """Tell the launcher this rank is alive and where it is (no-op outside run_ranks). Cheap: two
     shared-memory writes, no syscall, so it may be called several times per iteration."""
+    _LAST[:] = [_LAST[0] + 1, iteration, phase, time.monotonic()]
     if _BEAT is None:
         return
     numbers, phases, rank, steps = _BEAT
@@ -93,6 +95,13 @@ def progress(iteration: int, phase: str, step_seconds: float | None = None,
     phases[rank * _PHASE:(rank + 1) * _PHASE] = text
     numbers[base + 1] = iteration
     numbers[base] += 1  # last: the monitor sees a change only once the rest is written
+
+
+def progress_status() -> str:
+    """This rank's progress as one line, "beats iteration seconds-since phase" (what its beacon
+    answers a peer whose collective timed out: runtime/reachability.py)."""
+    beats, iteration, phase, when = _LAST
+    return f"{beats} {iteration} {time.monotonic() - when:.1f} {phase}"
 
 
 @dataclass

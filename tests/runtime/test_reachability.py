@@ -57,3 +57,72 @@ def test_only_communication_failures_are_recognised():
     wrapped.__cause__ = RuntimeError("Connection closed by peer [10.77.0.2]:1234")
     assert R.is_comm_failure(wrapped)
     assert not R.is_comm_failure(ValueError("--lr: must be positive"))
+
+
+def test_a_beacon_with_status_replies_with_the_ranks_progress():
+    beacon = R.Beacon("127.0.0.1", status=lambda: "41 12 3.5 forward-backward")
+    mute = R.Beacon("127.0.0.1")  # accepts handshakes, never replies: a stopped process's beacon
+    try:
+        progress: dict = {}
+        status = R.probe([R.Peer(1, 0, "127.0.0.1", beacon.port, answers=True),
+                          R.Peer(2, 1, "127.0.0.1", mute.port, answers=True)], timeout_s=0.5, progress=progress)
+    finally:
+        beacon.close()
+        mute.close()
+    assert status == {1: R.REACHABLE, 2: R.STOPPED}
+    assert progress == {1: R.Progress(41, 12, 3.5, "forward-backward")}
+
+
+def _stopped_child(port_file):
+    import os
+    import time
+
+    from megatron_hybridep.runtime import reachability
+
+    beacon = reachability.Beacon("127.0.0.1", status=lambda: "7 3 0.0 end of iteration")
+    with open(port_file + ".tmp", "w") as f:
+        f.write(str(beacon.port))
+    os.rename(port_file + ".tmp", port_file)
+    time.sleep(120)  # killed by the test long before
+
+
+def test_a_stopped_process_is_told_apart_from_a_live_one(tmp_path):
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+
+    port_file = str(tmp_path / "port")
+    child = mp.get_context("spawn").Process(target=_stopped_child, args=(port_file,), daemon=True)
+    child.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(port_file):
+            assert time.monotonic() < deadline and child.is_alive(), "the child never opened its beacon"
+            time.sleep(0.05)
+        peer = R.Peer(1, None, "127.0.0.1", int(open(port_file).read()), answers=True)
+        assert R.probe([peer], timeout_s=2.0) == {1: R.REACHABLE}
+        os.kill(child.pid, signal.SIGSTOP)
+        assert R.probe([peer], timeout_s=0.5) == {1: R.STOPPED}
+        os.kill(child.pid, signal.SIGCONT)
+        assert R.probe([peer], timeout_s=2.0) == {1: R.REACHABLE}
+    finally:
+        child.kill()
+        child.join(10)
+
+
+def test_failure_line_names_the_stalled_peer():
+    dcs = {0: 0, 1: 0, 2: 1, 3: 1}
+    timeout = RuntimeError("[gloo/pair.cc:1] Timed out waiting 6000ms for recv")
+    stopped = R.failure_line(0, 0, 6.0, {1: R.REACHABLE, 2: R.STOPPED, 3: R.REACHABLE}, dcs, timeout)
+    assert "stalled peers (reachable, process not answering: stopped?): rank 2 (DC 1)" in stopped
+    assert "every peer is reachable" not in stopped
+    progress = {1: R.Progress(40, 10, 1.0, "forward-backward"), 2: R.Progress(37, 9, 55.0, "optimizer step"),
+                3: R.Progress(40, 10, 1.0, "forward-backward")}
+    behind = R.failure_line(0, 0, 6.0, dict.fromkeys((1, 2, 3), R.REACHABLE), dcs, timeout, progress,
+                            R.Progress(40, 10, 6.0, "forward-backward"))
+    assert "stalled peer: rank 2 (DC 1) is behind, at iteration 9 (optimizer step), no progress for 55 s" in behind
+    assert "rank 1" not in behind.split("stalled peer")[1] and "\n" not in behind
+    level = {r: R.Progress(40, 10, 1.0, "forward-backward") for r in (1, 2, 3)}
+    assert "every peer is reachable" in R.failure_line(0, 0, 6.0, dict.fromkeys((1, 2, 3), R.REACHABLE), dcs,
+                                                       timeout, level, R.Progress(40, 10, 6.0, "forward-backward"))
