@@ -98,7 +98,7 @@ def run_layouts(args: argparse.Namespace) -> int:
     topology = _topology(args)
     workload = workload_from_args(args)
     limit = args.memory_limit_gb * 1e9 if args.memory_limit_gb is not None else None
-    results = plan_layouts(topology, workload, memory_limit_bytes=limit, include_replicated=not args.no_replicated)
+    results = plan_layouts(topology, workload, memory_limit_bytes=limit)
     if args.out and results[0].best is not None:
         results[0].best.plan.save(args.out)
     if args.json:

@@ -68,7 +68,8 @@ class LayoutResult:
     layout: Layout
     workload: Workload              # as priced: this layout's TP, PP, micro-batches and tokens per rank
     best: Candidate | None          # the fastest plan that fits the memory (None: none fits)
-    megatron: Candidate | None      # the fastest plan without hybridep that fits (plain EP or replicated)
+    megatron: Candidate | None      # the fastest plan without hybridep that fits (plain EP)
+    hybrid: Candidate | None        # the fastest hybridep plan that fits
     tp_seconds: float               # TP's collectives per iteration (module doc)
     least_memory: float             # bytes per rank of the smallest plan
 
@@ -83,6 +84,10 @@ class LayoutResult:
     @property
     def megatron_step(self) -> float:
         return self.megatron.cost.total + self.tp_seconds if self.megatron else float("inf")
+
+    @property
+    def hybrid_step(self) -> float:
+        return self.hybrid.cost.total + self.tp_seconds if self.hybrid else float("inf")
 
     @property
     def hybridep(self) -> bool:
@@ -107,6 +112,8 @@ class LayoutResult:
                 "step_s": self.step if self.fits else None, "tp_s": self.tp_seconds,
                 "megatron_plan": self.megatron.plan.label if self.megatron else None,
                 "megatron_step_s": self.megatron_step if self.megatron else None,
+                "hybridep_plan": self.hybrid.plan.label if self.hybrid else None,
+                "hybridep_step_s": self.hybrid_step if self.hybrid else None,
                 "wan_uplink_bytes": self.wan_uplink_bytes(), "memory_bytes": self.memory}
 
 
@@ -183,24 +190,25 @@ def tp_seconds(topology: Topology, workload: Workload) -> float:
 
 # ---- planning ------------------------------------------------------------------------------------------
 def plan_layout(topology: Topology, workload: Workload, layout: Layout, *,
-                memory_limit_bytes: float | None = None, include_replicated: bool = True) -> LayoutResult:
-    """The best plan (and the best plan without hybridep) in one layout."""
+                memory_limit_bytes: float | None = None) -> LayoutResult:
+    """The best plan (and the best plan with and without hybridep) in one layout. The replicated plan
+    is left out: it is plain EP in the layout whose EP group is one DC."""
     w = layout_workload(workload, layout.tp, layout.pp)
-    r = choose_plan(topology, w, layout.ep, memory_limit_bytes=memory_limit_bytes,
-                    include_replicated=include_replicated, check_memory=False)
+    r = choose_plan(topology, w, layout.ep, memory_limit_bytes=memory_limit_bytes, include_replicated=False,
+                    check_memory=False)
     fitting = [c for c in r.candidates if c.fits_memory]  # cheapest first
     best = fitting[0] if fitting else None
     megatron = next((c for c in fitting if not is_hybridep(c.plan)), None)
+    hybrid = next((c for c in fitting if is_hybridep(c.plan)), None)
     least = min(c.cost.memory.total for c in r.candidates if c.cost.memory is not None)
-    return LayoutResult(layout, w, best, megatron, tp_seconds(topology, w), least)
+    return LayoutResult(layout, w, best, megatron, hybrid, tp_seconds(topology, w), least)
 
 
-def plan_layouts(topology: Topology, workload: Workload, *, memory_limit_bytes: float | None = None,
-                 include_replicated: bool = True) -> list[LayoutResult]:
+def plan_layouts(topology: Topology, workload: Workload, *,
+                 memory_limit_bytes: float | None = None) -> list[LayoutResult]:
     """Every layout the topology admits with its best plan; those that fit first, fastest first, then
     those that do not fit, smallest first. ``workload``: the plain layout's (module doc)."""
-    results = [plan_layout(topology, workload, lay, memory_limit_bytes=memory_limit_bytes,
-                           include_replicated=include_replicated)
+    results = [plan_layout(topology, workload, lay, memory_limit_bytes=memory_limit_bytes)
                for lay in enumerate_layouts(topology, workload)]
     if not results:
         raise PlanError(f"layout: no layout fits the shape of {topology.describe()} with {workload.layers} layers and "
@@ -225,9 +233,10 @@ def verdict(results: list[LayoutResult]) -> str:
     best, base = fit[0], best_megatron(results)
     assert base is not None or best.hybridep
     if not best.hybridep:
-        with_h = next((r for r in fit if r.hybridep), None)
-        tail = (f"; the fastest layout with hybridep, {with_h.layout.label} {with_h.best.plan.label}, takes "  # type: ignore[union-attr]
-                f"{seconds_human(with_h.step)} ({with_h.step / best.step:.2f}x slower)" if with_h else "")
+        with_h = min((r for r in fit if r.hybrid), key=lambda r: r.hybrid_step, default=None)
+        tail = (f"; the fastest hybridep plan, {with_h.layout.label} {with_h.hybrid.plan.label}, takes "  # type: ignore[union-attr]
+                f"{seconds_human(with_h.hybrid_step)} ({with_h.hybrid_step / best.step:.2f}x slower)" if with_h else
+                "; no hybridep plan fits")
         return (f"hybridep does not pay here: the best layout is a plain Megatron one, {best.layout.label} "
                 f"{best.best.plan.label} ({seconds_human(best.step)}){tail}")  # type: ignore[union-attr]
     assert best.best is not None
