@@ -222,7 +222,7 @@ class CostModel:
         S = plan.domain_size if plan.kind == "domains" else 1
         borrowed = (S - 1) * owned
         group = plan.ep_size if plan.kind == "domains" else plan.rail_size
-        edp = max(1, self.dp // group)  # expert data-parallel replicas of one expert
+        edp = max(1, self.topology.world_size // (w.etp * group))  # expert DP: a stage / (ETP x EP)
         opt = w.optimizer_bytes_per_param
         if mode == "iteration" and w.micro_batches > 1:  # accumulated over the iteration (borrowed.py)
             held_grads = S * owned * P * w.main_grad_bytes if S > 1 else 0.0
