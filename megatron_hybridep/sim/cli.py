@@ -7,6 +7,8 @@ measurements.
     hybridep simulate --topology configs/topologies/1000dc_x_8.yaml --model configs/models/paper-l.yaml \\
         --sweep-dcs 2:1000:10 --sweep-bandwidth 1,10,100 --policy fixed-domain:4 --policy fixed-p:0.5 \\
         --policy planner --csv sweep.csv --png sweep.png
+    hybridep simulate --topology configs/topologies/1000dc_x_8.yaml --model configs/models/paper-l.yaml \\
+        --uniform-links --micro-batches 8 --sweep-dcs 16,64,1000 --policy pp:4 --policy megatron --policy layout
     hybridep simulate --paper-repro --out-dir sim-out
     hybridep simulate --validate bench.csv
 """

@@ -152,6 +152,14 @@ def test_hybridep_wins_when_tokens_dominate_and_experts_are_small():
     assert text.splitlines()[2].startswith("*") and best.layout.label in text.splitlines()[2]
 
 
+def test_flags_name_the_layout_for_megatron():
+    lays = {(x.tp, x.pp, x.ep): x for x in enumerate_layouts(dcs(2, 2), small())}
+    assert lays[(1, 2, 2)].flags() == ("--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 "
+                                       "--expert-model-parallel-size 2")
+    tp = lays[(2, 1, 4)].flags().split(" --")
+    assert "sequence-parallel" in tp and "expert-tensor-parallel-size 1" in tp
+
+
 def test_is_hybridep():
     res = plan_layouts(dcs(2, 2), small())
     for r in res:
