@@ -223,6 +223,10 @@ def best_megatron(results: list[LayoutResult]) -> LayoutResult | None:
 
 
 # ---- the table -----------------------------------------------------------------------------------------
+def _name(r: LayoutResult, c: Candidate | None) -> str:
+    return f"{r.layout.label} {c.plan.label if c else '-'}"
+
+
 def verdict(results: list[LayoutResult]) -> str:
     """One line: does hybridep pay, against the best Megatron layout without it."""
     fit = [r for r in results if r.fits]
@@ -231,20 +235,17 @@ def verdict(results: list[LayoutResult]) -> str:
         return (f"no layout fits the memory: the smallest, {least.layout.label}, needs {bytes_human(least.memory)} "
                 "per rank; fix: use the distributed optimizer or raise --memory-limit-gb")
     best, base = fit[0], best_megatron(results)
-    assert base is not None or best.hybridep
     if not best.hybridep:
-        with_h = min((r for r in fit if r.hybrid), key=lambda r: r.hybrid_step, default=None)
-        tail = (f"; the fastest hybridep plan, {with_h.layout.label} {with_h.hybrid.plan.label}, takes "  # type: ignore[union-attr]
-                f"{seconds_human(with_h.hybrid_step)} ({with_h.hybrid_step / best.step:.2f}x slower)" if with_h else
-                "; no hybridep plan fits")
-        return (f"hybridep does not pay here: the best layout is a plain Megatron one, {best.layout.label} "
-                f"{best.best.plan.label} ({seconds_human(best.step)}){tail}")  # type: ignore[union-attr]
-    assert best.best is not None
+        h = min((r for r in fit if r.hybrid), key=lambda r: r.hybrid_step, default=None)
+        tail = (f"; the fastest hybridep plan, {_name(h, h.hybrid)}, takes {seconds_human(h.hybrid_step)} "
+                f"({h.hybrid_step / best.step:.2f}x slower)" if h else "; no hybridep plan fits")
+        return (f"hybridep does not pay here: the best layout is a plain Megatron one, {_name(best, best.best)} "
+                f"({seconds_human(best.step)}){tail}")
     if base is None:
-        return f"hybridep pays: {best.layout.label} {best.best.plan.label}; no layout fits without it"
-    return (f"hybridep pays: {best.layout.label} {best.best.plan.label} ({seconds_human(best.step)}) is "
+        return f"hybridep pays: {_name(best, best.best)}; no layout fits without it"
+    return (f"hybridep pays: {_name(best, best.best)} ({seconds_human(best.step)}) is "
             f"{base.megatron_step / best.step:.2f}x faster than the best Megatron layout without it, "
-            f"{base.layout.label} {base.megatron.plan.label} ({seconds_human(base.megatron_step)})")  # type: ignore[union-attr]
+            f"{_name(base, base.megatron)} ({seconds_human(base.megatron_step)})")
 
 
 def format_layouts(results: list[LayoutResult], top: int | None = None) -> str:
