@@ -10,7 +10,8 @@ Pure Python + numpy (never torch or Megatron), so the planner, simulator and CLI
 
 Modules: grid (mixed-radix coordinates), plan (Plan), pairs (Algorithm 1), topology, slurm, workload,
 network (alpha-beta link model), pipeline (sends between stages, 1F1B and interleaved schedules), cost
-(tier b, ours), paper_model (tier a, the paper's), planner, cli.
+(tier b, ours), paper_model (tier a, the paper's), planner, layout (which Megatron layout: TP, PP,
+EP, DP, each with its best plan), cli.
 """
 
 from megatron_hybridep.plan.cost import CostBreakdown, CostModel, LevelBreakdown, MemoryBreakdown

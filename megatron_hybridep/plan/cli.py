@@ -55,6 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--explain", action="store_true",
                      help="say why the chosen plan wins: phase by phase against plain EP and the runner-up")
     how.add_argument("--out", metavar="plan.json", help="write the chosen plan (Plan JSON) here")
+    how.add_argument("--layout", choices=("auto",),
+                     help="auto: also choose the Megatron layout (TP, PP, EP, DP) for the same global batch "
+                          "(--tokens-per-rank and --micro-batches describe TP 1 x PP 1) and print one row per "
+                          "layout with its best plan, against the best layout without hybridep (plan/layout.py)")
 
 
 def _topology(args: argparse.Namespace) -> Topology:
@@ -82,7 +86,45 @@ def _parse_ep(value: str | None) -> int | str | None:
         raise PlanError(f"--ep-size: expected an integer or 'all', got {value!r}") from None
 
 
+def run_layouts(args: argparse.Namespace) -> int:
+    """--layout auto: a thin wrapper around plan/layout.py's plan_layouts."""
+    from megatron_hybridep.plan.layout import format_layouts, plan_layouts
+
+    fixed = [f for f, v in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+                            ("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+                            ("--ep-size", args.ep_size), ("--skew", args.skew)) if v is not None]
+    if fixed:
+        raise PlanError(f"{fixed[0]}: --layout auto chooses the layout itself; fix: drop {fixed[0]} or --layout")
+    topology = _topology(args)
+    workload = workload_from_args(args)
+    limit = args.memory_limit_gb * 1e9 if args.memory_limit_gb is not None else None
+    results = plan_layouts(topology, workload, memory_limit_bytes=limit)
+    if args.out and results[0].best is not None:
+        results[0].best.plan.save(args.out)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=1))
+        return 0
+    w = workload
+    print(f"topology  {topology.name or topology.source}: {topology.describe()}, memory limit "
+          + (f"{bytes_human(limit or topology.memory_bytes or 0)} per rank" if (limit or topology.memory_bytes)
+             else "none stated"))
+    print(f"model     {w.name or 'model'}: {w.layers} layers ({w.num_moe_layers} MoE), {w.num_experts} experts, "
+          f"top-{w.top_k}; global batch {topology.world_size * w.tokens * w.micro_batches} tokens "
+          f"({w.tokens} tokens/rank x {w.micro_batches} micro-batches at TP 1 x PP 1)")
+    print()
+    print(format_layouts(results, args.top))
+    if args.out:
+        print(f"\nwrote {args.out}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "layout", None):
+        try:
+            return run_layouts(args)
+        except PlanError as exc:
+            print(f"hybridep plan: error: {exc}", file=sys.stderr)
+            return 2
     try:
         ep = _parse_ep(args.ep_size)
         topology = _topology(args)

@@ -217,12 +217,12 @@ class CostModel:
         w = self.workload
         mode = mode or self.borrowed_copies(plan)[0]
         tp = w.tensor_model_parallel_size
-        P = w.expert_params / tp * w.stage_moe_layers  # one expert's parameters on this rank, over its layers
+        P = w.expert_params / w.etp * w.stage_moe_layers  # one expert's parameters on this rank, over its layers
         owned = plan.experts_per_rank
         S = plan.domain_size if plan.kind == "domains" else 1
         borrowed = (S - 1) * owned
         group = plan.ep_size if plan.kind == "domains" else plan.rail_size
-        edp = max(1, self.dp // group)  # expert data-parallel replicas of one expert
+        edp = max(1, self.topology.world_size // (w.etp * group))  # expert DP: a stage / (ETP x EP)
         opt = w.optimizer_bytes_per_param
         if mode == "iteration" and w.micro_batches > 1:  # accumulated over the iteration (borrowed.py)
             held_grads = S * owned * P * w.main_grad_bytes if S > 1 else 0.0
@@ -306,7 +306,7 @@ class CostModel:
             own = E // plan.rail_size
             fam, k = dc_replica_family(self.topology), self.topology.level_counts[0]
         # one bucket: every MoE layer's expert main grads
-        grad_bytes = own * w.expert_params / w.tensor_model_parallel_size * w.main_grad_bytes * Lm
+        grad_bytes = own * w.expert_params / w.etp * w.main_grad_bytes * Lm
         allreduce = net.ring(fam, 2 * (k - 1) / k * grad_bytes, 2 * (k - 1)) if k > 1 else zero
 
         # overlap as the runtime schedules it (module doc): only the gathers hide

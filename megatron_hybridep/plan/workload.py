@@ -44,7 +44,9 @@ class Workload:
     optimizer_bytes_per_param: int = 12      # Adam: fp32 master + 2 moments
     distributed_optimizer: bool = False      # optimizer state and master weights sharded over the data-parallel
     #   group (dense params) / the expert data-parallel group (expert params), as Megatron's distributed optimizer
-    tensor_model_parallel_size: int = 1      # TP: divides dense and expert params (expert TP = TP)
+    tensor_model_parallel_size: int = 1      # TP: divides dense params (and expert params unless ETP is set)
+    expert_tensor_parallel_size: int = 0     # ETP: divides expert params (0 = TP, Megatron's default)
+    num_attention_heads: int = 0             # TP must divide it (0 = not stated: TP must divide hidden_size)
     pipeline_model_parallel_size: int = 1    # PP: a stage holds 1/PP of the layers; EP groups live inside a stage
     virtual_pipeline_model_parallel_size: int = 1  # model chunks per pipeline rank (> 1: the interleaved schedule)
     sequence_parallel: bool = False          # activations between stages are split over TP (each rank sends 1/TP)
@@ -83,7 +85,8 @@ class Workload:
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, fld, "must be a positive integer",
                  "set it from the model config")
         for fld in ("num_layers", "tokens_per_rank", "dense_ffn_hidden_size", "shared_experts",
-                    "optimizer_bytes_per_param", "data_parallel_size", "vocab_size"):
+                    "optimizer_bytes_per_param", "data_parallel_size", "vocab_size", "expert_tensor_parallel_size",
+                    "num_attention_heads"):
             v = getattr(self, fld)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, fld, "must be an integer >= 0",
                  "set it from the model config")
@@ -151,6 +154,11 @@ class Workload:
         gradient): the hidden states of its micro-batch, split over TP under sequence parallelism."""
         tp = self.tensor_model_parallel_size if self.sequence_parallel else 1
         return self.tokens * self.hidden_size * self.activation_bytes / tp
+
+    @property
+    def etp(self) -> int:
+        """Expert tensor parallelism: expert_tensor_parallel_size, or TP when it is 0 (Megatron's default)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     @property
     def layers(self) -> int:

@@ -7,6 +7,8 @@ measurements.
     hybridep simulate --topology configs/topologies/1000dc_x_8.yaml --model configs/models/paper-l.yaml \\
         --sweep-dcs 2:1000:10 --sweep-bandwidth 1,10,100 --policy fixed-domain:4 --policy fixed-p:0.5 \\
         --policy planner --csv sweep.csv --png sweep.png
+    hybridep simulate --topology configs/topologies/1000dc_x_8.yaml --model configs/models/paper-l.yaml \\
+        --uniform-links --micro-batches 8 --sweep-dcs 16,64,1000 --policy pp:4 --policy megatron --policy layout
     hybridep simulate --paper-repro --out-dir sim-out
     hybridep simulate --validate bench.csv
 """
@@ -14,6 +16,7 @@ measurements.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -44,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--wan-gbps", type=float, metavar="G",
                        help="replace the coarsest level's bandwidth and uplink (Gbit/s)")
     where.add_argument("--wan-latency-us", type=float, metavar="US", help="replace the coarsest level's latency")
+    where.add_argument("--uniform-links", action="store_true",
+                       help="drop the topology's per-pair link overrides (plain EP over ~1000 DCs needs the "
+                            "symmetry of uniform links to be simulated)")
     add_workload_arguments(parser, grad_bytes=True)
     how = parser.add_argument_group("plan and schedule")
     how.add_argument("--plan", default="auto", metavar="P",
@@ -68,8 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--sweep-dcs", metavar="LIST", help="DC counts: 2,10,100,1000 or a log range 2:1000:12")
     sweep.add_argument("--sweep-bandwidth", metavar="LIST", help="WAN Gbit/s: 1,10,100 or 1:100:5")
     sweep.add_argument("--policy", action="append", metavar="P",
-                       help="fixed-domain:K, fixed-p:P, planner, paper, replicated, best, ep (repeatable; "
-                            "default: fixed-domain:4, fixed-p:0.5, planner)")
+                       help="fixed-domain:K, fixed-p:P, planner, paper, replicated, best, ep, pp:K (K pipeline "
+                            "stages, same global batch), layout (the best PP and plan), megatron (the best PP "
+                            "without hybridep) (repeatable; default: fixed-domain:4, fixed-p:0.5, planner)")
     sweep.add_argument("--ep-span", choices=("all", "default"), default="all",
                        help="all: one EP group over every DC, experts scaled with it (default); "
                             "default: the model's experts, largest EP group that fits")
@@ -98,6 +105,9 @@ def _topology(args: argparse.Namespace) -> Topology:
     if not args.topology:
         raise PlanError("--topology: required; fix: e.g. --topology configs/topologies/2dc_x_8.yaml")
     topo = Topology.from_yaml(args.topology)
+    if args.uniform_links:
+        levels = tuple(dataclasses.replace(lv, overrides=()) for lv in topo.levels)
+        topo = dataclasses.replace(topo, levels=levels, name=f"{topo.name} (uniform links)")
     if args.wan_gbps is not None or args.wan_latency_us is not None:
         from megatron_hybridep.sim.sweep import scaled_topology
 
@@ -285,18 +295,18 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
 
 
 def sweep_table(rows: list[dict[str, Any]]) -> str:
-    heads = ["DCs", "WAN Gbit/s", "policy", "plan", "p_dc", "iteration", "EP", "speed-up"]
+    heads = ["DCs", "WAN Gbit/s", "policy", "PP", "plan", "p_dc", "iteration", "EP", "speed-up"]
     body = []
     for r in rows:
         if r["error"]:
-            body.append([str(r["dcs"]), f"{r['wan_gbps']:g}", r["policy"], "error: " + r["error"], "", "", "", ""])
+            body.append([str(r["dcs"]), f"{r['wan_gbps']:g}", r["policy"], "", "error: " + r["error"], "", "", "", ""])
             continue
-        body.append([str(r["dcs"]), f"{r['wan_gbps']:g}", r["policy"], r["plan"], f"{r['p_dc']:.3f}",
+        body.append([str(r["dcs"]), f"{r['wan_gbps']:g}", r["policy"], str(r["pp"]), r["plan"], f"{r['p_dc']:.3f}",
                      seconds_human(r["iteration_s"]), seconds_human(r["ep_iteration_s"]),
                      f"{r['speedup_vs_ep']:.3f}x"])
     table = [heads] + body
     widths = [max(len(x[i]) for x in table) for i in range(len(heads))]
-    lines = ["  ".join(c.rjust(w) if i in (0, 1, 4, 5, 6, 7) else c.ljust(w)
+    lines = ["  ".join(c.rjust(w) if i in (0, 1, 3, 5, 6, 7, 8) else c.ljust(w)
                        for i, (c, w) in enumerate(zip(x, widths, strict=True))).rstrip() for x in table]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)

@@ -198,7 +198,7 @@ def world_collectives(topology: Topology, workload: Workload, plan: Plan, lay: E
     else:
         fam, k, own = dc_replica_family(topology), topology.level_counts[0], plan.num_experts // plan.rail_size
     if k > 1:
-        grad = own * w.expert_params / w.tensor_model_parallel_size * w.main_grad_bytes * w.stage_moe_layers
+        grad = own * w.expert_params / w.etp * w.main_grad_bytes * w.stage_moe_layers
         out.append((Phase.EXPERT_GRAD_ALLREDUCE,
                     Collective(Phase.EXPERT_GRAD_ALLREDUCE, RING, fam, 2 * (k - 1) / k * grad, 2 * (k - 1))))
     return out

@@ -11,7 +11,13 @@ Policies (domains at the coarsest level, the DC; finer levels keep S = 1 as in t
 - ``planner``          the planner's choice (tier-b cost model, every S combination + replicated);
 - ``paper``            the paper's closed-form p* per level, rounded to a feasible S (tier a);
 - ``replicated``       EP inside each DC, experts replicated across DCs;
-- ``best``             the fastest plan by simulation among every candidate (slow for large worlds).
+- ``best``             the fastest plan by simulation among every candidate (slow for large worlds);
+- ``pp:K``             K pipeline stages (a stage = N / K DCs, or a part of one DC), the planner's plan for
+                       the EP group of one stage; the same global batch, so M x K micro-batches;
+- ``layout``           the fastest of ``planner`` and every feasible ``pp:K`` by the cost model (K divides
+                       the layers and the world, stages aligned with DCs: plan/layout.py's rules, TP = 1);
+- ``megatron``         the same over plans without hybridep only (plain EP and replicated experts): the
+                       best Megatron layout, the baseline hybridep must beat.
 
 Scaling the world: ``base`` gives the level structure and link speeds; the DC level gets N units and the
 swept WAN speed (link and uplink). With ``ep_span="all"`` one EP group spans every DC and the model gets
@@ -34,6 +40,7 @@ from typing import Any
 
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.grid import divisors
+from megatron_hybridep.plan.layout import is_hybridep, layout_workload
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.planner import choose_plan, enumerate_plans
 from megatron_hybridep.plan.topology import Level, Topology
@@ -41,7 +48,8 @@ from megatron_hybridep.plan.workload import Workload
 from megatron_hybridep.sim.schedule import PHASES, SimOptions
 from megatron_hybridep.sim.simulate import simulate
 
-POLICIES = ("ep", "fixed-domain", "fixed-p", "planner", "paper", "replicated", "best")
+POLICIES = ("ep", "fixed-domain", "fixed-p", "planner", "paper", "replicated", "best", "pp", "layout", "megatron")
+LAYOUT_POLICIES = ("pp", "layout", "megatron")  # policies that choose the pipeline layout too
 
 
 # ---- topology and workload at a sweep point -------------------------------------------------------------------
@@ -59,7 +67,7 @@ def scaled_topology(base: Topology, dcs: int, wan_gbps: float | None = None,
     lat = lv.latency_us if wan_latency_us is None else float(wan_latency_us)
     over = tuple(o for o in lv.overrides if o.a < dcs and o.b < dcs)
     dc = Level(lv.name, int(dcs), bw, lat, up, over)
-    return Topology((dc,) + tuple(base.levels[1:]), base.name, base.description, base.source)
+    return Topology((dc,) + tuple(base.levels[1:]), base.name, base.description, base.source, base.memory_gb_per_gpu)
 
 
 def point_workload(work: Workload, topo: Topology, ep_span: str, experts_per_rank: int) -> tuple[Workload, int]:
@@ -82,7 +90,11 @@ def parse_policy(text: str) -> tuple[str, float | None]:
     name, _, value = text.partition(":")
     if name not in POLICIES:
         raise PlanError(f"policy: unknown {name!r}; fix: use one of ep, fixed-domain:K, fixed-p:P, planner, paper, "
-                        "replicated, best")
+                        "replicated, best, pp:K, layout, megatron")
+    if name == "pp":
+        if not value.isdigit() or int(value) < 1:
+            raise PlanError(f"policy {text!r}: needs the number of pipeline stages, e.g. pp:4")
+        return name, float(value)
     if name in ("fixed-domain", "fixed-p"):
         try:
             v = float(value)
@@ -137,6 +149,53 @@ def policy_plan(policy: str, value: float | None, topo: Topology, work: Workload
     raise PlanError(f"policy: unknown {policy!r}")
 
 
+# ---- pipeline layouts ------------------------------------------------------------------------------------------
+def pipeline_sizes(topo: Topology, work: Workload) -> tuple[int, ...]:
+    """PP sizes a point admits: divisors of the layers whose stages are contiguous blocks aligned with
+    the levels (plan/layout.py's rules)."""
+    out = []
+    for k in divisors(work.layers):
+        try:
+            topo.pipeline_stage(k)
+        except PlanError:
+            continue
+        out.append(k)
+    return tuple(out)
+
+
+def pipeline_point(topo: Topology, work: Workload, pp: int, ep_span: str) -> tuple[Workload, int]:
+    """The workload of PP ``pp`` for the same global batch (TP 1) and its EP size: one stage's ranks
+    with ``ep_span="all"``, else the largest group that fits a stage."""
+    w = layout_workload(work, 1, pp)
+    stage = topo.pipeline_stage(pp)
+    return w, stage.world_size if ep_span == "all" else stage.default_ep_size(w.num_experts)
+
+
+def layout_plan(policy: str, value: float | None, topo: Topology, work: Workload,
+                ep_span: str) -> tuple[Workload, int, Plan]:
+    """``pp:K``, ``layout`` or ``megatron`` (module doc): the workload, EP size and plan to simulate."""
+    sizes = pipeline_sizes(topo, work)
+    if policy == "pp":
+        k = int(value or 1)
+        if k not in sizes:
+            raise PlanError(f"pp:{k}: {work.layers} layers on {topo.describe()} admit PP {list(sizes)}")
+        w, G = pipeline_point(topo, work, k, ep_span)
+        return w, G, choose_plan(topo, w, G).best
+    best: tuple[float, Workload, int, Plan] | None = None
+    for k in sizes:
+        w, G = pipeline_point(topo, work, k, ep_span)
+        try:
+            r = choose_plan(topo, w, G)
+        except PlanError:  # nothing fits the memory at this PP
+            continue
+        c = next((c for c in r.candidates if c.fits_memory and (policy == "layout" or not is_hybridep(c.plan))), None)
+        if c is not None and (best is None or c.cost.total < best[0]):
+            best = (c.cost.total, w, G, c.plan)
+    if best is None:
+        raise PlanError(f"{policy}: no pipeline layout fits the memory on {topo.describe()}")
+    return best[1], best[2], best[3]
+
+
 def dc_p(plan: Plan) -> float:
     """The paper's p at the DC level: fraction of token traffic still crossing DCs by all-to-all."""
     if plan.kind == "replicated":
@@ -169,18 +228,23 @@ def _point(spec: SweepSpec, dcs: int, bw: float) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     ep_plan = policy_plan("ep", None, topo, work, G)
     ep = simulate(topo, work, ep_plan, options=spec.options)
-    done: dict[Plan, Any] = {ep_plan: ep}
+    done: dict[tuple[Plan, int], Any] = {(ep_plan, 1): ep}
     for text in spec.policies:
         name, value = parse_policy(text)
         t1 = time.perf_counter()
+        w, g = work, G
         try:
-            plan = policy_plan(name, value, topo, work, G, spec.options)
+            if name in LAYOUT_POLICIES:
+                w, g, plan = layout_plan(name, value, topo, work, spec.ep_span)
+            else:
+                plan = policy_plan(name, value, topo, work, G, spec.options)
         except PlanError as exc:
             rows.append(_row(spec, dcs, bw, G, work, text, None, None, ep, 0.0, str(exc)))
             continue
-        if plan not in done:
-            done[plan] = simulate(topo, work, plan, options=spec.options)
-        rows.append(_row(spec, dcs, bw, G, work, text, plan, done[plan], ep, time.perf_counter() - t1))
+        key = (plan, w.pipeline_model_parallel_size)
+        if key not in done:
+            done[key] = simulate(topo, w, plan, options=spec.options)
+        rows.append(_row(spec, dcs, bw, g, w, text, plan, done[key], ep, time.perf_counter() - t1))
     for r in rows:
         r["point_seconds"] = time.perf_counter() - t0
     return rows
@@ -190,7 +254,8 @@ def _row(spec: SweepSpec, dcs: int, bw: float, G: int, work: Workload, policy: s
          res: Any, ep: Any, secs: float, error: str = "") -> dict[str, Any]:
     row: dict[str, Any] = {
         "dcs": dcs, "ranks_per_dc": math.prod(spec.base.level_counts[1:]), "ep_size": G,
-        "experts": work.num_experts, "wan_gbps": bw, "policy": policy,
+        "experts": work.num_experts, "pp": work.pipeline_model_parallel_size, "micro_batches": work.micro_batches,
+        "wan_gbps": bw, "policy": policy,
         "plan": plan.label if plan else "", "domain_sizes": "x".join(map(str, plan.domain_sizes)) if plan else "",
         "p_dc": round(dc_p(plan), 6) if plan else "", "iteration_s": res.total if res else "",
         "ep_iteration_s": ep.total, "speedup_vs_ep": ep.total / res.total if res else "",
