@@ -30,6 +30,23 @@ def _args(argv: list[str]):  # noqa: ANN202
     return parse(argv, default_config=None if defines_model else DEFAULT_PRESET)
 
 
+def _with_layout(argv: list[str], world: int, announce: bool) -> list[str]:
+    """--hybridep-layout auto: the layout planner's TP/PP/EP flags appended to ``argv``, unless the
+    command line fixes one of them (train/planning.py choose_layout)."""
+    args = _args(argv)
+    if getattr(args, "hybridep_layout", "off") != "auto":
+        return argv
+    import torch
+
+    from megatron_hybridep.train.planning import LAYOUT_FLAGS, choose_layout
+
+    fixed = [f for f in LAYOUT_FLAGS if any(a == f or a.startswith(f + "=") for a in argv)]
+    flags, report = choose_layout(args, world, fixed, cpu=not torch.cuda.is_available())
+    if announce:
+        print(report, flush=True)
+    return [*argv, *flags, "--hybridep-layout", "off"] if flags else argv
+
+
 def _rank_main(ctx, argv: list[str]):  # noqa: ANN001, ANN202 - run_ranks entry
     from megatron_hybridep.train import cpu_loop
 
@@ -57,7 +74,8 @@ def _launched_rank(argv: list[str]) -> int:
     if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
         os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
                           LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
-    args = _args(argv)
+    # every rank computes the same layout (a pure function of the flags); rank 0 says which
+    args = _args(_with_layout(argv, int(os.environ["WORLD_SIZE"]), announce=os.environ.get("RANK") == "0"))
     if torch.cuda.is_available():
         from megatron_hybridep.train.gpu_pretrain import pretrain
 
@@ -212,6 +230,8 @@ def main(argv: list[str]) -> int:
         nproc = args.hybridep_nproc
         if nproc < 1:
             raise ValueError(f"--hybridep-nproc {nproc}: fix: at least 1 rank")
+        argv = _with_layout(argv, nproc, announce=True)  # the ranks parse the final flags
+        args = _args(argv)
         preflight(args, nproc)
     except SystemExit as e:  # argparse already printed its one-line usage error
         return int(e.code or 0)

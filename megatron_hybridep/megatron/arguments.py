@@ -61,6 +61,10 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--hybridep-plan", default="auto",
                    help="auto (the planner's choice), ep (S=1: Megatron's EP), replicated (EP inside each DC, "
                         "experts replicated across DCs), or a plan JSON file from 'hybridep plan --out'")
+    g.add_argument("--hybridep-layout", choices=("off", "auto"), default="off",
+                   help="auto: the layout planner picks TP/PP/EP for the same global batch (hybridep plan --layout "
+                        "auto) and the job runs it, unless the command line fixes one of them; then it only "
+                        "prints the flags it would set")
     g.add_argument("--hybridep-compression-ratio", type=float, default=1.0,
                    help="expert weight compression for migration (1 = exact)")
     g.add_argument("--hybridep-grad-compression-ratio", type=float, default=1.0,

@@ -172,3 +172,39 @@ def choose(args: argparse.Namespace, world_size: int) -> PlanChoice:
     plan = Plan.load(mode)
     plan.validate(ep if plan.kind != "replicated" else plan.megatron_ep_size, args.num_experts)
     return PlanChoice(plan, topo, None)
+
+
+LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size")
+
+
+def choose_layout(args: argparse.Namespace, world_size: int, fixed: list[str], cpu: bool) -> tuple[list[str], str]:
+    """--hybridep-layout auto: (the flags of the layout planner's choice, or [] when the command line
+    fixes one of ``LAYOUT_FLAGS``; a report to print). The workload is the job's at TP 1 x PP 1 with
+    the same global batch (plan/layout.py). ``cpu``: the CPU loop runs no TP through this path."""
+    from megatron_hybridep.plan.cost import seconds_human
+    from megatron_hybridep.plan.layout import format_layouts, plan_layouts
+
+    topology = topology_for(args, world_size)
+    w = workload_for(args)
+    split = w.tensor_model_parallel_size * w.pipeline_model_parallel_size
+    w = w.replace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                  micro_batches=max(1, w.micro_batches // split))
+    results = plan_layouts(topology, w)
+    runnable = [r for r in results if r.fits and not (cpu and r.layout.tp > 1)]
+    if not runnable:
+        raise PlanError("--hybridep-layout auto: no layout fits this job; fix: drop --hybridep-layout or "
+                        "change the model or topology (hybridep plan --layout auto shows why)")
+    choice = runnable[0]
+    lines = [f"[layout] {topology.describe()}, same global batch for every layout (hybridep plan --layout auto)",
+             format_layouts(results, top=5)]
+    if choice is not results[0]:
+        lines.append(f"[layout] {results[0].layout.label} needs tensor parallelism, which the CPU loop does not "
+                     f"run through pretrain_moe.py; taking {choice.layout.label}")
+    flags = choice.layout.flags().split()
+    if fixed:
+        lines.append(f"[layout] {', '.join(fixed)} fixed on the command line: keeping your layout; the planner's "
+                     f"choice would be {' '.join(flags)}")
+        return [], "\n".join(lines)
+    lines.append(f"[layout] running {choice.layout.label} ({' '.join(flags)}), predicted "
+                 f"{seconds_human(choice.step)} per iteration")
+    return flags, "\n".join(lines)

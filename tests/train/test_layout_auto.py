@@ -1,0 +1,45 @@
+"""pretrain_moe.py --hybridep-layout auto: the layout planner's TP/PP/EP become the job's flags,
+unless the command line fixes one of them (then it only says what it would set)."""
+
+import pytest
+
+BASE = ["--train-iters", "2", "--lr-warmup-iters", "1"]
+
+
+def _layout(argv, world=4):
+    import pretrain_moe
+
+    return pretrain_moe._with_layout(argv, world, announce=True)
+
+
+def test_auto_appends_the_planners_layout_and_the_job_parses_it(capsys):
+    import pretrain_moe
+
+    argv = [*BASE, "--hybridep-layout", "auto"]
+    final = _layout(argv)
+    report = capsys.readouterr().out
+    added = final[len(argv):]
+    assert added[-2:] == ["--hybridep-layout", "off"]  # the ranks do not plan again
+    chosen = dict(zip(added[:-2:2], map(int, added[1:-2:2]), strict=True))
+    assert set(chosen) >= {"--pipeline-model-parallel-size", "--expert-model-parallel-size"}
+    label = (f"TP{chosen['--tensor-model-parallel-size']} PP{chosen['--pipeline-model-parallel-size']} "
+             f"EP{chosen['--expert-model-parallel-size']}")
+    assert f"[layout] running {label}" in report and "hybridep plan --layout auto" in report
+    args = pretrain_moe._args(final)
+    assert (args.pipeline_model_parallel_size, args.expert_model_parallel_size) == (
+        chosen["--pipeline-model-parallel-size"], chosen["--expert-model-parallel-size"])
+    assert args.tensor_model_parallel_size == 1  # the CPU loop runs no TP through this path
+    assert _layout(final) == final  # idempotent: the ranks see the final flags
+
+
+@pytest.mark.parametrize("fixed", ["--pipeline-model-parallel-size", "--expert-model-parallel-size"])
+def test_a_layout_fixed_on_the_command_line_is_kept_and_the_choice_printed(fixed, capsys):
+    argv = [*BASE, "--hybridep-layout", "auto", fixed, "1"]
+    assert _layout(argv) == argv
+    out = capsys.readouterr().out
+    assert f"{fixed} fixed on the command line: keeping your layout; the planner's choice would be" in out
+
+
+def test_off_changes_nothing(capsys):
+    assert _layout(BASE) == BASE
+    assert capsys.readouterr().out == ""
