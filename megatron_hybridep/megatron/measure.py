@@ -78,3 +78,35 @@ def count_grad_reductions(model_chunks: Sequence[Any]) -> None:
                 for r in ranks:
                     if r != me:
                         s.add(0, phase, "dp", per_peer, 0.0, level=level(me, r))
+
+
+def schedule_kwargs(config: Any) -> dict[str, Any]:
+    """Extra arguments for Megatron's pipeline schedules: under PP, while counting, a P2P
+    communicator that counts each activation / activation-gradient send at its link level
+    (Megatron builds a plain one when given none)."""
+    from megatron.core import parallel_state as ps
+
+    if stats() is None or ps.get_pipeline_model_parallel_world_size() == 1:
+        return {}
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return dict(p2p_communicator=_counting_p2p()(ps.get_pipeline_model_parallel_group(), config),
+                pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def _counting_p2p() -> type:
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    class CountingP2P(P2PCommunicator):
+        def _communicate(self, *, tensor_send_next: Any, tensor_send_prev: Any, **kwargs: Any) -> Any:
+            import torch.distributed as dist
+
+            s, me = stats(), dist.get_rank()
+            for tensor, peer in ((tensor_send_next, self.next_rank), (tensor_send_prev, self.prev_rank)):
+                if s is not None and tensor is not None and peer is not None:
+                    s.add(0, Phase.PIPELINE_SEND, "pp", tensor.numel() * tensor.element_size(), 0.0,
+                          level=level(me, peer))
+            return super()._communicate(tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev,
+                                        **kwargs)
+
+    return CountingP2P

@@ -189,7 +189,7 @@ def run_iteration(chunks: list[Any], optimizer: Any, config: Any, batches: Seque
     a slow WAN (measured: ~0.1 s per call at 20 Mbit/s), so drivers run theirs in ``after_step``."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_hybridep.megatron import grad_sync
+    from megatron_hybridep.megatron import grad_sync, measure
     from megatron_hybridep.runtime.context import get_runtime
 
     if not batches:
@@ -206,7 +206,7 @@ def run_iteration(chunks: list[Any], optimizer: Any, config: Any, batches: Seque
     losses = get_forward_backward_func()(
         forward_step_func=_forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
         model=chunks, num_microbatches=len(batches), seq_length=tokens.shape[1],
-        micro_batch_size=tokens.shape[0], forward_only=False)
+        micro_batch_size=tokens.shape[0], forward_only=False, **measure.schedule_kwargs(config))
     if progress is not None:
         progress("optimizer step")
     ok, grad_norm, _ = optimizer.step()
