@@ -43,3 +43,22 @@ def test_a_layout_fixed_on_the_command_line_is_kept_and_the_choice_printed(fixed
 def test_off_changes_nothing(capsys):
     assert _layout(BASE) == BASE
     assert capsys.readouterr().out == ""
+
+
+def test_the_testbed_comparison_reads_pretrain_moes_log_line():
+    import importlib.util
+    from pathlib import Path
+
+    from megatron_hybridep.plan.cost import bytes_human
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "layout_vs_pp.py"
+    spec = importlib.util.spec_from_file_location("layout_vs_pp", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # the format of train/reporting.py's per-iteration line
+    lines = [f" iter {i:5d}/4 | loss {5.5:7.4f} | step {ms:7.1f} ms | {1000:9.0f} tok/s | lr 3.00e-04 | "
+             f"grad-norm {0.5:6.3f} | inter-DC {bytes_human(b)}/iter | exposed comm {1.0:6.1f} ms | plan ep (S=1)"
+             for i, ms, b in ((1, 9000.0, 8.39e6), (2, 3100.0, 8.39e6), (3, 2900.0, 524e3))]
+    steps, wan = bench.parse_log("\n".join(lines), warmup=1)
+    assert steps == [3.1, 2.9] and wan == 524e3
+    assert set(bench.systems(2, 4)) == {"ep", "hybridep", "pp", "pp-hybridep", "auto"}
