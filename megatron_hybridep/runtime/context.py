@@ -32,6 +32,7 @@ class GatheringLayer(Protocol):
     def add_plan(self, groups: PlanGroups) -> None: ...
     def owes_grads(self) -> bool: ...
     def flush_owed(self) -> None: ...
+    def collect_grad_returns(self) -> int: ...
 
 
 class HybridEPRuntime:
@@ -91,6 +92,12 @@ class HybridEPRuntime:
     @property
     def defer_grad_return(self) -> bool:
         return self._no_sync_depth > 0
+
+    def collect_grad_returns(self) -> int:
+        """Wait for the gradient returns launched in this backward (--hybridep-async-grad-return) and
+        add them to the owners' main grads. Local waits on collectives every rank launched in the same
+        order, so ranks may call it at different points. Returns how many were in flight."""
+        return sum(layer.collect_grad_returns() for layer in self.layers)
 
     def flush_owed_grads(self) -> int:
         """Before Megatron synchronises gradients: return what a schedule left owed (one whose last
