@@ -10,6 +10,10 @@ model chunks' ``no_sync``) and reduces gradients in ``config.finalize_model_grad
   expert bucket group's start_grad_sync first collects the returns launched so far into the
   owners' main grads (every owner parameter's grad hook runs after its layer's gather node, which
   launched its return, so a bucket that is ready has all its returns launched);
+- with --overlap-param-gather the distributed optimizer's step no longer all-gathers parameters
+  (the next forward's pre-hooks wait for them, module by module), but the runtime reads the owners'
+  expert parameters for the next gathers right after the step: it first finishes the all-gather
+  of the expert buckets (``runtime.expert_param_sync``); dense buckets keep Megatron's overlap;
 - finalize first collects the returns in flight (and whatever a schedule left owed: interleaved
   chunks whose last backward ran under another chunk's no_sync) into the owners' main grads, then
   times Megatron's finalize as the dense gradient reduction.
@@ -93,6 +97,7 @@ def install(config: Any, model_chunks: Sequence[Any], runtime: Any) -> None:
         for chunk in model_chunks:
             if getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False):
                 _collect_before_reduction(chunk, runtime)
+    runtime.expert_param_sync = _expert_param_sync(model_chunks)
     if isinstance(current, list):
         config.no_sync_func = [f if getattr(f, "_hybridep", False) else _wrap_no_sync(f, runtime) for f in current]
     elif not getattr(current, "_hybridep", False):
@@ -119,6 +124,22 @@ def _collect_before_reduction(chunk: Any, runtime: Any) -> None:
 
         start_grad_sync._hybridep = True  # type: ignore[attr-defined]
         group.start_grad_sync = start_grad_sync
+
+
+def _expert_param_sync(chunks: Sequence[Any]) -> Callable[[], None] | None:
+    """Finish the expert buckets' parameter all-gather now (dispatching it if the forward has not),
+    in the same order on every rank; the forward pre-hooks then find it done. None without
+    --overlap-param-gather (the optimizer's step gathers them itself)."""
+    groups = [g for c in chunks if getattr(getattr(c, "ddp_config", None), "overlap_param_gather", False)
+              for g in getattr(c, "expert_parallel_bucket_groups", ())]
+    if not groups:
+        return None
+
+    def sync() -> None:
+        for group in groups:
+            group.finish_param_sync(skip_next_bucket_dispatch=True)
+
+    return sync
 
 
 def time_megatron_finalize(config: Any, on_seconds: Callable[[float], None]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -59,6 +59,9 @@ class HybridEPRuntime:
         # set by a loop that collects owed gradients before reducing gradients (grad_sync.install):
         # the last backward then only launches the returns, which overlap the rest of the backward
         self.async_grad_return = False
+        # set by grad_sync.install under --overlap-param-gather: finishes the all-gather of the owners'
+        # expert parameters, which the distributed optimizer's step leaves to the next forward
+        self.expert_param_sync: Callable[[], None] | None = None
 
     @property
     def plan(self) -> Plan:
@@ -113,6 +116,8 @@ class HybridEPRuntime:
         refresh rule runs on it), encode every layer's compressed experts now (the migration
         queue: payloads are 1/ratio of the experts, so holding all layers' is cheap) and start
         the first layer's gather; the others launch one layer ahead of the compute."""
+        if self.expert_param_sync is not None:  # gathers below read the updated parameters
+            self.expert_param_sync()
         self.step += 1
         for layer in self.layers:
             layer.on_step(self.step)

@@ -166,11 +166,13 @@ def run(args: argparse.Namespace, collect_params: bool = False,
             on_iteration(iteration, seconds, decision)
         saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
         if saved:
+            _sync_params(chunks)
             checkpoint.save(args, iteration, _one(chunks, "--save"), optimizer, lr_scheduler)
         if args.exit_interval and iteration % args.exit_interval == 0:  # Megatron's --exit-interval
             break
     if scheduler is not None:
         scheduler.close()
+    _sync_params(chunks)  # as Megatron's train() ends: the last step's parameters gathered
     if args.save and not saved:
         checkpoint.save(args, iteration, _one(chunks, "--save"), optimizer, lr_scheduler)
     summary = reporter.finish(time.perf_counter() - start)
@@ -183,6 +185,18 @@ def run(args: argparse.Namespace, collect_params: bool = False,
         teardown()
     ps.destroy_model_parallel()
     return summary
+
+
+def _sync_params(chunks: list[Any]) -> None:
+    """--overlap-param-gather leaves the step's parameter all-gather to the next forward's pre-hooks:
+    finish it before parameters are read outside a forward (checkpoint, the end of training), as
+    Megatron's train() does (disable_forward_pre_hook). Collective over data-parallel ranks."""
+    import torch
+
+    for chunk in chunks:
+        if chunk.ddp_config.overlap_param_gather:
+            with torch.no_grad():
+                chunk.start_param_sync(force_sync=True)
 
 
 def _one(chunks: list[Any], flag: str) -> Any:
