@@ -13,6 +13,9 @@ pytestmark = pytest.mark.matrix
 
 OVERLAP = {
     "grad-reduce": ["--hybridep-fp64", "--overlap-grad-reduce"],
+    # ~1 layer's experts per bucket: the last layer's expert bucket is reduced in the middle of the
+    # backward, before the first layer's return is even launched
+    "grad-reduce-small-buckets": ["--hybridep-fp64", "--overlap-grad-reduce", "--ddp-bucket-size", "4096"],
     "param-gather": ["--hybridep-fp64", "--use-distributed-optimizer", "--overlap-grad-reduce",
                      "--overlap-param-gather"],
 }
