@@ -7,7 +7,8 @@ is reduced (megatron/grad_sync.py)."""
 
 import pytest
 
-from tests.matrix.harness import assert_same_training, train, write_cross_dc_plan, write_topology
+from megatron_hybridep.train.launch import run_ranks
+from tests.matrix.harness import PRESET, TINY, assert_same_training, train, write_cross_dc_plan, write_topology
 
 pytestmark = pytest.mark.matrix
 
@@ -46,3 +47,39 @@ def test_overlapped_param_gather_with_expert_data_parallelism_matches_alltoall(t
     assert_same_training(train(8, flags, "hybridep", plan=plan, topology=topology), oracle)
     assert_same_training(train(8, [*flags, "--hybridep-async-grad-return"], "hybridep", plan=plan,
                                topology=topology), oracle)
+
+
+def _collects(ctx, argv: list[str]) -> list[tuple[bool, int]]:
+    """(inside the backward?, returns collected) for every collect_grad_returns call of one run."""
+    import torch
+
+    from megatron_hybridep.megatron.arguments import parse
+    from megatron_hybridep.runtime.context import HybridEPRuntime
+    from megatron_hybridep.train import cpu_loop
+
+    seen = []
+    inner = HybridEPRuntime.collect_grad_returns
+
+    def collect(self):  # noqa: ANN001, ANN202
+        n = inner(self)
+        seen.append((torch._C._current_autograd_node() is not None, n))
+        return n
+
+    HybridEPRuntime.collect_grad_returns = collect
+    cpu_loop.run(parse(argv, default_config=PRESET))
+    return seen
+
+
+def test_async_returns_are_collected_inside_the_backward_bucket_by_bucket(tmp_path):
+    """Small buckets, 4 micro-batches: from the second iteration (Megatron starts buckets from its
+    grad hooks once it has counted them) each layer's return is collected by the expert bucket that
+    needs it, from inside the backward, one layer at a time; finalize finds nothing left."""
+    plan = write_cross_dc_plan(str(tmp_path / "plan.json"))
+    argv = [*TINY, "--train-iters", "3", "--hybridep-nproc", "4", *OVERLAP["grad-reduce-small-buckets"],
+            "--global-batch-size", "32", "--hybridep-async-grad-return", "--hybridep-plan", plan]
+    for seen in run_ranks(_collects, 4, argv, timeout=300):
+        first, later = seen[:5], seen[5:]  # iteration 1: finalize (both layers) + 4 expert buckets
+        assert first[0] == (False, 2) and sum(n for _, n in first) == 2, seen
+        inside = [n for backward, n in later if backward]
+        assert sorted(inside) == [0, 0, 0, 0, 1, 1, 1, 1], seen  # 2 iterations x 4 buckets, a layer each
+        assert all(n == 0 for backward, n in later if not backward), seen
