@@ -65,6 +65,20 @@ def _wrap_finalize(inner: Callable[..., Any], runtime: Any) -> Callable[..., Any
     return finalize
 
 
+def _wrap_grad_sync(inner: Callable[..., Any], runtime: Any, chunk: Any) -> Callable[..., Any]:
+    """Megatron's grad_sync_func (set by its train() under PP with --overlap-grad-reduce): the
+    schedule calls it for a chunk once that chunk's backward is over, to start its reduction. Later
+    pipeline stages run that last backward under no_sync, so the chunk's borrowed gradients are
+    still owed then: return them first (every rank of a stage calls it at the same point)."""
+    def grad_sync(*args: Any, **kwargs: Any) -> Any:
+        runtime.collect_grad_returns()
+        runtime.flush_owed_grads(within=chunk)
+        return inner(*args, **kwargs)
+
+    grad_sync._hybridep = True  # type: ignore[attr-defined]
+    return grad_sync
+
+
 def _counting(inner: Callable[..., Any]) -> Callable[..., Any]:
     """finalize for jobs without a runtime (alltoall EP): their reductions counted like hybridep's."""
     def finalize(*args: Any, **kwargs: Any) -> Any:
@@ -98,6 +112,12 @@ def install(config: Any, model_chunks: Sequence[Any], runtime: Any) -> None:
             if getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False):
                 _collect_before_reduction(chunk, runtime)
     runtime.expert_param_sync = _expert_param_sync(model_chunks)
+    sync = getattr(config, "grad_sync_func", None)
+    if isinstance(sync, list):
+        config.grad_sync_func = [f if getattr(f, "_hybridep", False) else _wrap_grad_sync(f, runtime, c)
+                                 for f, c in zip(sync, model_chunks, strict=True)]
+    elif sync is not None and not getattr(sync, "_hybridep", False):
+        config.grad_sync_func = _wrap_grad_sync(sync, runtime, model_chunks[0])
     if isinstance(current, list):
         config.no_sync_func = [f if getattr(f, "_hybridep", False) else _wrap_no_sync(f, runtime) for f in current]
     elif not getattr(current, "_hybridep", False):

@@ -102,11 +102,13 @@ class HybridEPRuntime:
         order, so ranks may call it at different points. Returns how many were in flight."""
         return sum(layer.collect_grad_returns() for layer in self.layers)
 
-    def flush_owed_grads(self) -> int:
+    def flush_owed_grads(self, within: Any = None) -> int:
         """Before Megatron synchronises gradients: return what a schedule left owed (one whose last
         backward ran under no_sync, e.g. interleaved chunks) straight into the owners' main grads.
-        Collective over each domain, in layer order on every rank. Returns how many layers owed."""
-        owing = [layer for layer in self.layers if layer.owes_grads()]
+        Collective over each domain, in layer order on every rank. ``within``: only the layers inside
+        this module (one model chunk). Returns how many layers owed."""
+        inside = None if within is None else {id(m) for m in within.modules()}
+        owing = [layer for layer in self.layers if layer.owes_grads() and (inside is None or id(layer) in inside)]
         for layer in owing:
             layer.flush_owed()
         return len(owing)
