@@ -49,6 +49,29 @@ def test_overlapped_param_gather_with_expert_data_parallelism_matches_alltoall(t
                                topology=topology), oracle)
 
 
+PIPELINES = {
+    "pp2-ep4-1f1b": ["--pipeline-model-parallel-size", "2"],
+    "pp2-vpp2-ep4": ["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                     "--num-layers-per-virtual-pipeline-stage", "1"],
+}
+
+
+@pytest.mark.parametrize("layout", list(PIPELINES))
+def test_overlapped_reduction_under_pipeline_parallelism_matches_alltoall(layout, tmp_path):
+    """8 ranks as 4 DCs x 2, PP 2 x EP 4, 4 micro-batches: the CPU loop sets the schedule's
+    grad_sync_func as Megatron's train() does, so later stages run their last backward under
+    no_sync and the schedule starts each chunk's reduction; the chunk's borrowed gradients are
+    returned first (without it: 'borrowed gradients were still owed')."""
+    topology = write_topology(str(tmp_path / "topo.yaml"), dcs=4, per_dc=2)
+    plan = write_cross_dc_plan(str(tmp_path / "plan.json"))
+    flags = ["--hybridep-fp64", "--overlap-grad-reduce", "--expert-model-parallel-size", "4",
+             "--global-batch-size", "32", *PIPELINES[layout]]
+    oracle = train(8, flags, "alltoall", topology=topology)
+    assert_same_training(train(8, flags, "hybridep", plan=plan, topology=topology), oracle)
+    assert_same_training(train(8, [*flags, "--hybridep-async-grad-return"], "hybridep", plan=plan,
+                               topology=topology), oracle)
+
+
 def _collects(ctx, argv: list[str]) -> list[tuple[bool, int]]:
     """(inside the backward?, returns collected) for every collect_grad_returns call of one run."""
     import torch

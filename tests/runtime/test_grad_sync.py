@@ -22,8 +22,9 @@ class _Runtime:
 
     defer_grad_return = property(lambda self: self._no_sync_depth > 0)
 
-    def flush_owed_grads(self):
+    def flush_owed_grads(self, within=None):
         self.flushed += 1
+        self.within = within
         return self.owing
 
     def collect_grad_returns(self):
@@ -145,3 +146,17 @@ def test_finalize_collects_launched_returns_before_checking_what_is_owed():
     grad_sync.install(config, chunks, runtime)
     config.finalize_model_grads_func(chunks)
     assert seen == ["collect", "flush", "fin"]
+
+
+def test_schedule_grad_sync_returns_the_chunks_owed_gradients_first():
+    """Under PP Megatron's schedule starts a chunk's reduction through grad_sync_func after its last
+    backward, which later stages run under no_sync: that chunk's owed gradients go back first."""
+    log, runtime = [], _Runtime()
+    runtime.collect_grad_returns = lambda: log.append("collect") or 0
+    chunks = [_Chunk(log, overlap=True), _Chunk(log, overlap=True)]
+    config = types.SimpleNamespace(no_sync_func=None, finalize_model_grads_func=lambda *a, **k: None,
+                                   grad_sync_func=[lambda p, i=i: log.append(f"sync {i}") for i in range(2)])
+    grad_sync.install(config, chunks, runtime)
+    grad_sync.install(config, chunks, runtime)  # idempotent
+    config.grad_sync_func[1]([])
+    assert log == ["collect", "sync 1"] and runtime.flushed == 1 and runtime.within is chunks[1]
