@@ -14,6 +14,9 @@ model chunks' ``no_sync``) and reduces gradients in ``config.finalize_model_grad
   (the next forward's pre-hooks wait for them, module by module), but the runtime reads the owners'
   expert parameters for the next gathers right after the step: it first finishes the all-gather
   of the expert buckets (``runtime.expert_param_sync``); dense buckets keep Megatron's overlap;
+- under PP Megatron's train() (and the CPU loop) hands the schedule ``grad_sync_func``, which starts
+  a chunk's reduction after its last backward; later stages run that backward under no_sync, so
+  the wrapped grad_sync_func returns the chunk's owed gradients first;
 - finalize first collects the returns in flight (and whatever a schedule left owed: interleaved
   chunks whose last backward ran under another chunk's no_sync) into the owners' main grads, then
   times Megatron's finalize as the dense gradient reduction.
