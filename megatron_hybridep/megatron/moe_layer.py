@@ -208,6 +208,12 @@ class HybridEPMoELayer(MoELayer):
         for x in self._owing():
             x.flush_owed()
 
+    def collect_grad_returns(self) -> int:
+        launched = [x for x in self._owing() if x.owed.pending is not None]
+        for x in launched:
+            x.flush_owed()  # with a return in flight: waits for it, no new collective
+        return len(launched)
+
     def drop_gather(self) -> None:
         for state in self._plan_state:
             if state.gather is not None:

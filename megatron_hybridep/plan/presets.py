@@ -86,6 +86,8 @@ def workload_from_settings(s: Mapping[str, Any], name: str = "preset", data_para
             micro_batch_size=mbs, micro_batches=m, activation_bytes=2 if half else 4,
             weight_bytes=2 if half else 4, grad_bytes=2 if half else 4, main_grad_bytes=4,
             distributed_optimizer=bool(s.get("use_distributed_optimizer")),
+            overlap_grad_reduce=bool(s.get("overlap_grad_reduce")),
+            overlap_param_gather=bool(s.get("overlap_param_gather")),
             tensor_model_parallel_size=int(s.get("tensor_model_parallel_size") or 1),
             pipeline_model_parallel_size=int(s.get("pipeline_model_parallel_size") or 1),
             vocab_size=int(s.get("vocab_size") or 0),

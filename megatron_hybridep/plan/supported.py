@@ -31,6 +31,11 @@ class Supported:
 SUPPORTED: tuple[Supported, ...] = (
     Supported("bf16", "bf16 parameters with fp32 main grads", (False, None), (True,)),
     Supported("use_distributed_optimizer", "Megatron's distributed optimizer", (False, None), (True,)),
+    Supported("overlap_grad_reduce", "data-parallel gradient reduction overlapped with the backward",
+              (False, None), (True,), test="tests/matrix/test_overlap.py::test_overlapped_reductions_match_alltoall"),
+    Supported("overlap_param_gather", "parameter all-gather overlapped with the next forward", (False, None),
+              (True,), requires={"use_distributed_optimizer": True, "overlap_grad_reduce": True},
+              test="tests/matrix/test_overlap.py::test_overlapped_param_gather_with_expert_data_parallelism_matches_alltoall"),
     Supported("tensor_model_parallel_size", "tensor parallelism (with sequence parallelism)", (1, None),
               requires={"sequence_parallel": True}),
     Supported("sequence_parallel", "sequence parallelism (with TP > 1)", (False, None), (True,)),
@@ -64,8 +69,6 @@ GOVERNED: dict[str, tuple[Any, ...]] = {
     "moe_router_group_topk": (None,),
     "moe_token_drop_policy": ("probs", None),
     "moe_pad_expert_input_to_capacity": (False, None),
-    "overlap_grad_reduce": (False, None),
-    "overlap_param_gather": (False, None),
 }
 
 BY_KEY = {s.key: s for s in SUPPORTED}

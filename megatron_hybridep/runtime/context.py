@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -32,6 +32,7 @@ class GatheringLayer(Protocol):
     def add_plan(self, groups: PlanGroups) -> None: ...
     def owes_grads(self) -> bool: ...
     def flush_owed(self) -> None: ...
+    def collect_grad_returns(self) -> int: ...
 
 
 class HybridEPRuntime:
@@ -58,6 +59,9 @@ class HybridEPRuntime:
         # set by a loop that collects owed gradients before reducing gradients (grad_sync.install):
         # the last backward then only launches the returns, which overlap the rest of the backward
         self.async_grad_return = False
+        # set by grad_sync.install under --overlap-param-gather: finishes the all-gather of the owners'
+        # expert parameters, which the distributed optimizer's step leaves to the next forward
+        self.expert_param_sync: Callable[[], None] | None = None
 
     @property
     def plan(self) -> Plan:
@@ -92,11 +96,19 @@ class HybridEPRuntime:
     def defer_grad_return(self) -> bool:
         return self._no_sync_depth > 0
 
-    def flush_owed_grads(self) -> int:
+    def collect_grad_returns(self) -> int:
+        """Wait for the gradient returns launched in this backward (--hybridep-async-grad-return) and
+        add them to the owners' main grads. Local waits on collectives every rank launched in the same
+        order, so ranks may call it at different points. Returns how many were in flight."""
+        return sum(layer.collect_grad_returns() for layer in self.layers)
+
+    def flush_owed_grads(self, within: Any = None) -> int:
         """Before Megatron synchronises gradients: return what a schedule left owed (one whose last
         backward ran under no_sync, e.g. interleaved chunks) straight into the owners' main grads.
-        Collective over each domain, in layer order on every rank. Returns how many layers owed."""
-        owing = [layer for layer in self.layers if layer.owes_grads()]
+        Collective over each domain, in layer order on every rank. ``within``: only the layers inside
+        this module (one model chunk). Returns how many layers owed."""
+        inside = None if within is None else {id(m) for m in within.modules()}
+        owing = [layer for layer in self.layers if layer.owes_grads() and (inside is None or id(layer) in inside)]
         for layer in owing:
             layer.flush_owed()
         return len(owing)
@@ -106,6 +118,8 @@ class HybridEPRuntime:
         refresh rule runs on it), encode every layer's compressed experts now (the migration
         queue: payloads are 1/ratio of the experts, so holding all layers' is cheap) and start
         the first layer's gather; the others launch one layer ahead of the compute."""
+        if self.expert_param_sync is not None:  # gathers below read the updated parameters
+            self.expert_param_sync()
         self.step += 1
         for layer in self.layers:
             layer.on_step(self.step)

@@ -86,7 +86,22 @@ def build_model(args: argparse.Namespace) -> tuple[list[Any], Any, Any, Any]:
     opt_config, overrides = get_megatron_optimizer_config(args)
     optimizer = get_megatron_optimizer(opt_config, chunks, config_overrides=overrides)
     scheduler = get_optimizer_param_scheduler(optimizer)
+    _sync_funcs(args, chunks, config)
     return chunks, optimizer, scheduler, config
+
+
+def _sync_funcs(args: argparse.Namespace, chunks: list[Any], config: Any) -> None:
+    """The schedule's hooks Megatron's train() sets for the overlap flags: under PP the schedule then
+    starts each chunk's gradient reduction itself, and (interleaved) its parameter all-gather."""
+    def one_or_list(fs: list[Any]) -> Any:
+        return fs[0] if len(fs) == 1 else fs
+
+    if args.overlap_grad_reduce:
+        config.no_sync_func = one_or_list([c.no_sync for c in chunks])
+        if getattr(args, "align_grad_reduce", True):
+            config.grad_sync_func = one_or_list([c.start_grad_sync for c in chunks])
+    if args.overlap_param_gather and getattr(args, "align_param_gather", False):
+        config.param_sync_func = one_or_list([c.start_param_sync for c in chunks])
 
 
 def plan_job(args: argparse.Namespace, world: int) -> PlanChoice | None:
@@ -166,11 +181,13 @@ def run(args: argparse.Namespace, collect_params: bool = False,
             on_iteration(iteration, seconds, decision)
         saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
         if saved:
+            _sync_params(chunks)
             checkpoint.save(args, iteration, _one(chunks, "--save"), optimizer, lr_scheduler)
         if args.exit_interval and iteration % args.exit_interval == 0:  # Megatron's --exit-interval
             break
     if scheduler is not None:
         scheduler.close()
+    _sync_params(chunks)  # as Megatron's train() ends: the last step's parameters gathered
     if args.save and not saved:
         checkpoint.save(args, iteration, _one(chunks, "--save"), optimizer, lr_scheduler)
     summary = reporter.finish(time.perf_counter() - start)
@@ -183,6 +200,18 @@ def run(args: argparse.Namespace, collect_params: bool = False,
         teardown()
     ps.destroy_model_parallel()
     return summary
+
+
+def _sync_params(chunks: list[Any]) -> None:
+    """--overlap-param-gather leaves the step's parameter all-gather to the next forward's pre-hooks:
+    finish it before parameters are read outside a forward (checkpoint, the end of training), as
+    Megatron's train() does (disable_forward_pre_hook). Collective over data-parallel ranks."""
+    import torch
+
+    for chunk in chunks:
+        if chunk.ddp_config.overlap_param_gather:
+            with torch.no_grad():
+                chunk.start_param_sync(force_sync=True)
 
 
 def _one(chunks: list[Any], flag: str) -> Any:

@@ -17,19 +17,34 @@ class _Runtime:
 
         self.stats, self._no_sync_depth, self.flushed = Stats(), 0, 0
         self.accumulating = types.MethodType(HybridEPRuntime.accumulating, self)  # the real counter
-        self.owing = 0
+        self.owing = self.collected = 0
         self.migration = types.SimpleNamespace(async_return=True)
 
     defer_grad_return = property(lambda self: self._no_sync_depth > 0)
 
-    def flush_owed_grads(self):
+    def flush_owed_grads(self, within=None):
         self.flushed += 1
+        self.within = within
         return self.owing
+
+    def collect_grad_returns(self):
+        self.collected += 1
+        return 0
+
+
+class _BucketGroup:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def start_grad_sync(self, force_all_reduce=False):
+        self.log.append(f"reduce {self.name}")
 
 
 class _Chunk:
     def __init__(self, log, overlap=False):
         self.log, self.ddp_config = log, types.SimpleNamespace(overlap_grad_reduce=overlap)
+        self.bucket_groups = [_BucketGroup(log, "dense")]
+        self.expert_parallel_bucket_groups = [_BucketGroup(log, "experts")]
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -99,3 +114,49 @@ def test_gpu_train_step_wrapper_installs_grad_sync(monkeypatch):
     assert getattr(seen["no_sync"], "_hybridep", False)
     assert getattr(config.finalize_model_grads_func, "_hybridep", False)
     assert runtime.async_grad_return  # asked for, and DDP does not overlap its reduction
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_overlapped_expert_buckets_collect_launched_returns_before_reducing(asked):
+    """--overlap-grad-reduce with --hybridep-async-grad-return: the return stays asynchronous, and an
+    expert bucket reduced from a grad hook first collects the returns launched in that backward
+    (dense buckets hold no owner's expert parameter: not delayed)."""
+    log, runtime = [], _Runtime()
+    runtime.migration.async_return = asked
+    runtime.collect_grad_returns = lambda: log.append("collect") or 0
+    config = types.SimpleNamespace(no_sync_func=None, finalize_model_grads_func=lambda *a, **k: None)
+    chunk = _Chunk(log, overlap=True)
+    grad_sync.install(config, [chunk], runtime)
+    grad_sync.install(config, [chunk], runtime)  # idempotent: one collect per reduction
+    assert runtime.async_grad_return == asked
+    chunk.bucket_groups[0].start_grad_sync()
+    chunk.expert_parallel_bucket_groups[0].start_grad_sync(force_all_reduce=False)
+    assert log == (["reduce dense", "collect", "reduce experts"] if asked else ["reduce dense", "reduce experts"])
+
+
+def test_finalize_collects_launched_returns_before_checking_what_is_owed():
+    """Returns in flight at finalize (first iteration: Megatron starts overlapped buckets there) are
+    collected, not mistaken for gradients owed too late."""
+    runtime = _Runtime()
+    seen = []
+    runtime.collect_grad_returns = lambda: seen.append("collect") or 1
+    runtime.flush_owed_grads = lambda: seen.append("flush") or 0
+    config = types.SimpleNamespace(no_sync_func=None, finalize_model_grads_func=lambda *a, **k: seen.append("fin"))
+    chunks = [_Chunk([], overlap=True)]
+    grad_sync.install(config, chunks, runtime)
+    config.finalize_model_grads_func(chunks)
+    assert seen == ["collect", "flush", "fin"]
+
+
+def test_schedule_grad_sync_returns_the_chunks_owed_gradients_first():
+    """Under PP Megatron's schedule starts a chunk's reduction through grad_sync_func after its last
+    backward, which later stages run under no_sync: that chunk's owed gradients go back first."""
+    log, runtime = [], _Runtime()
+    runtime.collect_grad_returns = lambda: log.append("collect") or 0
+    chunks = [_Chunk(log, overlap=True), _Chunk(log, overlap=True)]
+    config = types.SimpleNamespace(no_sync_func=None, finalize_model_grads_func=lambda *a, **k: None,
+                                   grad_sync_func=[lambda p, i=i: log.append(f"sync {i}") for i in range(2)])
+    grad_sync.install(config, chunks, runtime)
+    grad_sync.install(config, chunks, runtime)  # idempotent
+    config.grad_sync_func[1]([])
+    assert log == ["collect", "sync 1"] and runtime.flushed == 1 and runtime.within is chunks[1]
