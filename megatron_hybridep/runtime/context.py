@@ -122,7 +122,8 @@ class HybridEPRuntime:
         gather in flight): the step counter (the shared-expert refresh schedule runs on it), the
         plans (adopted hot variants included) and the active one, and each layer's codec state."""
         return {"step": self.step, "plans": [p.to_json(indent=None) for p in self.plans], "active": self.active,
-                "layers": [layer.hybridep_state_dict() for layer in self.layers]}
+                "layers": [layer.hybridep_state_dict() for layer in self.layers],
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> bool:
         """Restore a ``state_dict`` (same on every rank: plans adopted here create no group). False,
@@ -143,6 +144,8 @@ class HybridEPRuntime:
         self.step = state["step"]
         for layer in self.layers:
             layer.on_step(self.step)
+        if self.scheduler is not None and state.get("scheduler") is not None:  # else it measures afresh
+            self.scheduler.load_state_dict(state["scheduler"])
         return True
 
     def adopt(self, plan: Plan) -> int:

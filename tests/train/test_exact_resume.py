@@ -76,3 +76,75 @@ def test_compressed_checkpoints_move_between_hybridep_and_alltoall(saved_with, l
         assert state is None
     resumed = train(4, [*flags[loaded_with], "--load", ckpt], loaded_with, plan=plans[loaded_with], iters=3)
     assert all(len(losses) == 1 and math.isfinite(losses[0]) for losses, _ in resumed)
+
+
+
+def _scheduled(ctx, argv):
+    """(plan and scheduler state right after --load, or None; plan active at the end; decisions)."""
+    import functools
+
+    from megatron_hybridep.megatron.arguments import parse
+    from megatron_hybridep.runtime import scheduler
+    from megatron_hybridep.runtime.context import get_runtime
+    from megatron_hybridep.train import checkpoint, cpu_loop
+    from tests.matrix.harness import PRESET
+
+    # loopback calls take milliseconds: count them as measured rates (as tests/faults' slow-rank test)
+    scheduler.SchedulerConfig = functools.partial(scheduler.SchedulerConfig, min_call_s=0.0, min_gain=0.0)
+    after_load, active, decisions = {}, [], []
+    load = checkpoint.load
+
+    def recording_load(*args, **kwargs):
+        out = load(*args, **kwargs)
+        runtime = get_runtime()
+        after_load.update(plan=runtime.plan.label, state=getattr(runtime.scheduler, "state_dict", dict)())
+        return out
+
+    def on_iteration(iteration, seconds, decision):
+        active[:] = [get_runtime().plan.label]
+        if decision is not None:
+            decisions.append((iteration, decision.switched, decision.replan.plan.label))
+
+    checkpoint.load = recording_load
+    cpu_loop.run(parse(argv, default_config=PRESET), on_iteration=on_iteration)
+    return after_load, active[0], decisions
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_scheduler_resumes_its_plan_and_estimates(tmp_path):
+    """A run that switched plans before the save resumes on the plan it switched to, with the
+    scheduler's estimates, windows, hysteresis streak, cached cost and pending statistics."""
+    from megatron_hybridep.train.launch import run_ranks
+    from tests.matrix.harness import REPO
+
+    # a configured WAN far slower than loopback: the start-up plan is wrong once bandwidth is measured,
+    # and the first switch comes at iteration 10 (warm-up 3, decisions every 2, a window of 3 samples)
+    src = open(os.path.join(REPO, "configs", "topologies", "2dc_x_2.yaml")).read()
+    for old in ("bandwidth_gbps: 10\n", "uplink_gbps: 10\n"):
+        src = src.replace(old, old.split(":")[0] + ": 0.001\n")
+    topo = tmp_path / "slow.yaml"
+    topo.write_text(src)
+    ckpt = str(tmp_path / "ckpt")
+    argv = ["--train-iters", "16", "--log-interval", "100", "--lr-warmup-iters", "1", "--hybridep-replan-interval",
+            "2", "--hybridep-replan-replicas", "2", "--hybridep-topology", str(topo), "--save", ckpt,
+            "--save-interval", "100"]
+    stopped = run_ranks(_scheduled, 4, [*argv, "--exit-interval", "12"], timeout=400)
+    _, at_stop, decisions = stopped[0]
+    assert any(switched for _, switched, _ in decisions), decisions  # the premise: it left the start-up plan
+    resumed = run_ranks(_scheduled, 4, [*argv, "--load", ckpt], timeout=400)
+    for rank, (after_load, _, after) in enumerate(resumed):
+        assert after_load["plan"] == at_stop, (rank, after_load["plan"], at_stop, decisions)
+        saved = torch.load(os.path.join(ckpt, "iter_0000012", "hybridep", f"rank_{rank:05d}.pt"),
+                           weights_only=True)["runtime"]["scheduler"]
+        assert saved["samples"] and saved["cache"] is not None  # it had measured and costed
+        assert _same(after_load["state"], saved), rank
+        assert after == resumed[0][2] and all(it > 12 for it, _, _ in after)  # every rank decides the same
