@@ -21,14 +21,15 @@ COMPRESSED = ["--hybridep-compression-ratio", "10", "--hybridep-grad-compression
 ITERS, STOP = 6, 4
 
 
-def _stop_and_resume(flags, dispatcher, plan, ckpt):
+def _stop_and_resume(flags, dispatcher, plan, ckpt, world=4, topology=None):
     """(loss, parameter) largest differences between the uninterrupted run and the one stopped at
     STOP (--exit-interval, saving on the way out as Megatron does) and resumed to ITERS."""
-    full = train(4, flags, dispatcher, plan=plan, iters=ITERS)
+    full = train(world, flags, dispatcher, plan=plan, topology=topology, iters=ITERS)
     saving = [*flags, "--save", ckpt, "--save-interval", "100"]
-    stopped = train(4, [*saving, "--exit-interval", str(STOP)], dispatcher, plan=plan, iters=ITERS)
+    stopped = train(world, [*saving, "--exit-interval", str(STOP)], dispatcher, plan=plan, topology=topology,
+                    iters=ITERS)
     assert all(len(losses) == STOP for losses, _ in stopped) and latest_iteration(ckpt) == STOP
-    resumed = train(4, [*flags, "--load", ckpt], dispatcher, plan=plan, iters=ITERS)
+    resumed = train(world, [*flags, "--load", ckpt], dispatcher, plan=plan, topology=topology, iters=ITERS)
     assert all(len(losses) == ITERS - STOP for losses, _ in resumed)
     assert any(not math.isnan(x) for losses, _ in resumed for x in losses)
     return max_differences(resumed, [(losses[STOP:], params) for losses, params in full])
@@ -43,6 +44,29 @@ def _stop_and_resume(flags, dispatcher, plan, ckpt):
 def test_compressed_run_resumes_bit_for_bit(extra, tmp_path):
     plan = write_cross_dc_plan(str(tmp_path / "plan.json"))
     loss, param = _stop_and_resume([*COMPRESSED, *extra], "hybridep", plan, str(tmp_path / "ckpt"))
+    assert loss == 0.0 and param == 0.0, f"resumed vs uninterrupted: loss {loss:.3g}, param {param:.3g}"
+
+
+def test_compressed_run_with_hot_replicas_resumes_bit_for_bit(tmp_path):
+    from megatron_hybridep.plan.plan import Plan
+
+    plan = str(tmp_path / "plan.json")
+    Plan.grid((2, 2), (2, 1), 8, ("dc", "gpu")).with_replicas([(0, 1), (0, 3), (1, 3)], max_per_rank=2).save(plan)
+    loss, param = _stop_and_resume(COMPRESSED, "hybridep", plan, str(tmp_path / "ckpt"))
+    assert loss == 0.0 and param == 0.0, f"resumed vs uninterrupted: loss {loss:.3g}, param {param:.3g}"
+
+
+@pytest.mark.matrix
+def test_compressed_run_with_pipeline_stages_resumes_bit_for_bit(tmp_path):
+    """PP 2 x EP 4 on 8 ranks (4 DCs x 2, as tests/matrix/test_parallel.py): each stage's MoE layer
+    saves its own codec state."""
+    from tests.matrix.harness import write_topology
+
+    topology = write_topology(str(tmp_path / "topo.yaml"), dcs=4, per_dc=2)
+    plan = write_cross_dc_plan(str(tmp_path / "plan.json"))
+    flags = [*COMPRESSED, "--expert-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
+             "--global-batch-size", "16"]
+    loss, param = _stop_and_resume(flags, "hybridep", plan, str(tmp_path / "ckpt"), world=8, topology=topology)
     assert loss == 0.0 and param == 0.0, f"resumed vs uninterrupted: loss {loss:.3g}, param {param:.3g}"
 
 
