@@ -68,9 +68,10 @@ def save(args: argparse.Namespace, iteration: int, model: Any, optimizer: Any, s
     partial = path + ".partial"
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)  # a previous attempt killed mid-save
-        os.makedirs(os.path.join(partial, EXTRA))
+        os.makedirs(partial)
     dist.barrier()
     dist_checkpointing.save(_sharded_state(args, model, optimizer, scheduler, iteration), partial)
+    os.makedirs(os.path.join(partial, EXTRA), exist_ok=True)  # after: Megatron warns about a non-empty directory
     extra = {"iteration": iteration, "rng": _rng_state(),
              "runtime": runtime.state_dict() if runtime is not None else None}
     torch.save(extra, _extra_file(partial, dist.get_rank()))

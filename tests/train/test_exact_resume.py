@@ -172,3 +172,38 @@ def test_scheduler_resumes_its_plan_and_estimates(tmp_path):
         assert saved["samples"] and saved["cache"] is not None  # it had measured and costed
         assert _same(after_load["state"], saved), rank
         assert after == resumed[0][2] and all(it > 12 for it, _, _ in after)  # every rank decides the same
+
+
+def _restored(ctx, argv):
+    """Whether --load restored the runtime's state, and this rank's losses."""
+    from megatron_hybridep.megatron.arguments import parse
+    from megatron_hybridep.train import checkpoint, cpu_loop
+    from tests.matrix.harness import PRESET
+
+    seen, load = [], checkpoint.load
+
+    def recording_load(*args, **kwargs):
+        out = load(*args, **kwargs)
+        seen.append(out[1])
+        return out
+
+    checkpoint.load = recording_load
+    return seen, cpu_loop.run(parse(argv, default_config=PRESET)).losses
+
+
+def test_state_saved_under_another_plan_is_ignored(tmp_path):
+    """Resumed under another plan, the copies (shaped by the old domains) are not restored: the
+    codec starts fresh, and training goes on."""
+    from megatron_hybridep.train.launch import run_ranks
+    from tests.matrix.harness import TINY
+
+    ckpt = str(tmp_path / "ckpt")
+    common = [*TINY, *COMPRESSED, "--train-iters", "3"]
+    plan = write_cross_dc_plan(str(tmp_path / "plan.json"))
+    saving = ["--save", ckpt, "--save-interval", "2", "--exit-interval", "2"]
+    same = run_ranks(_restored, 4, [*common, *saving, "--hybridep-plan", plan], timeout=300)
+    assert all(seen == [] for seen, _ in same), same
+    other = run_ranks(_restored, 4, [*common, "--hybridep-plan", "ep", "--load", ckpt], timeout=300)
+    assert all(seen == [False] and len(losses) == 1 and math.isfinite(losses[0]) for seen, losses in other), other
+    again = run_ranks(_restored, 4, [*common, "--hybridep-plan", plan, "--load", ckpt], timeout=300)
+    assert all(seen == [True] and len(losses) == 1 for seen, losses in again), again
