@@ -214,6 +214,23 @@ class HybridEPMoELayer(MoELayer):
             x.flush_owed()  # with a return in flight: waits for it, no new collective
         return len(launched)
 
+    def hybridep_state_dict(self) -> dict[str, Any]:
+        """The runtime state this layer owns (not parameters, so not in Megatron's state_dict): the
+        shared expert and each plan's domain gather."""
+        return {"shared": self._shared.state_dict() if self._shared is not None else None,
+                "gathers": [s.gather.state_dict() if s.gather is not None else None for s in self._plan_state]}
+
+    def load_hybridep_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["shared"] is None) != (self._shared is None) or len(state["gathers"]) != len(self._plan_state):
+            raise ValueError("hybridep state of another configuration (shared expert or plans differ)")
+        if self._shared is not None:
+            self._shared.load_state_dict(state["shared"])
+        for plan_state, saved in zip(self._plan_state, state["gathers"], strict=True):
+            if (plan_state.gather is None) != (saved is None):
+                raise ValueError("hybridep state of another configuration (domain sizes differ)")
+            if plan_state.gather is not None:
+                plan_state.gather.load_state_dict(saved)
+
     def drop_gather(self) -> None:
         for state in self._plan_state:
             if state.gather is not None:

@@ -28,6 +28,8 @@ class GatheringLayer(Protocol):
     def start_gather(self) -> None: ...
     def drop_gather(self) -> None: ...
     def on_step(self, step: int) -> None: ...
+    def hybridep_state_dict(self) -> dict[str, Any]: ...
+    def load_hybridep_state_dict(self, state: dict[str, Any]) -> None: ...
     def encode_ahead(self) -> None: ...
     def add_plan(self, groups: PlanGroups) -> None: ...
     def owes_grads(self) -> bool: ...
@@ -128,6 +130,37 @@ class HybridEPRuntime:
                 layer.encode_ahead()
         if self.prefetch and self.layers:
             self.layers[0].start_gather()
+
+    def state_dict(self) -> dict[str, Any]:
+        """For an exact resume, taken between the optimizer step and ``after_optimizer_step`` (no
+        gather in flight): the step counter (the shared-expert refresh schedule runs on it), the
+        plans (adopted hot variants included) and the active one, and each layer's codec state."""
+        return {"step": self.step, "plans": [p.to_json(indent=None) for p in self.plans], "active": self.active,
+                "layers": [layer.hybridep_state_dict() for layer in self.layers],
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> bool:
+        """Restore a ``state_dict`` (same on every rank: plans adopted here create no group). False,
+        with nothing changed, when it was saved under other plans or another model: the run goes on
+        as from a checkpoint without it (fresh copies, as a plain-EP checkpoint gives)."""
+        saved = [Plan.from_json(p) for p in state["plans"]]
+        if saved[:len(self.plans)] != self.plans or len(state["layers"]) != len(self.layers):
+            log.warning("hybridep: the checkpoint's runtime state is for other plans or layers; resuming with "
+                        "fresh borrowed-expert copies and codec state")
+            return False
+        for plan in saved[len(self.plans):]:
+            self.adopt(plan)
+        for layer in self.layers:
+            layer.drop_gather()
+        self.active = state["active"]
+        for layer, layer_state in zip(self.layers, state["layers"], strict=True):
+            layer.load_hybridep_state_dict(layer_state)
+        self.step = state["step"]
+        for layer in self.layers:
+            layer.on_step(self.step)
+        if self.scheduler is not None and state.get("scheduler") is not None:  # else it measures afresh
+            self.scheduler.load_state_dict(state["scheduler"])
+        return True
 
     def adopt(self, plan: Plan) -> int:
         """Index of ``plan``, added now if it is a variant of a prebuilt plan with the same domains and

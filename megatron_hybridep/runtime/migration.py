@@ -121,6 +121,14 @@ class SharedExpert:
                                               self._reduce_sum)
         return self.tensor
 
+    def state_dict(self) -> dict[str, torch.Tensor | None]:
+        """The tensor in use: a resumed run that recomputed it off the refresh schedule would encode
+        against another base than the uninterrupted run (the schedule runs on the runtime's step)."""
+        return {"tensor": self.tensor}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor | None]) -> None:
+        self.tensor = state["tensor"]
+
 
 class _Pending:
     """An in-flight all-gather: the buffer it fills, its handle, the shared tensor used, and the
@@ -226,6 +234,36 @@ class DomainGather:
         else:
             base = self._rebase(self._held, self._held_shared, shared)
         return self.codec.encode_batch(rows, base), shared, base
+
+    def state_dict(self) -> dict[str, object]:
+        """What the next gather builds on, between iterations (nothing in flight or owed): the
+        incremental codec's copies (identical on owner and peers, so every rank saves its own) and
+        the gradient codec's error-feedback residuals. A shared tensor that is the layer's current
+        shared expert is saved as "shared": _shift tells "unchanged" by identity."""
+        if self._pending is not None or self._encoded is not None or self.owed.owes:
+            raise RuntimeError("DomainGather.state_dict: a gather or a gradient return is in flight; save "
+                               "between the optimizer step and the runtime's post-step")
+        current = self.shared.tensor if self.shared is not None else None
+
+        def ref(t: torch.Tensor | None) -> torch.Tensor | str | None:
+            return "shared" if t is not None and t is current else t
+
+        return {"held": self._held, "held_shared": ref(self._held_shared), "copies": self._copies,
+                "copies_shared": ref(self._copies_shared),
+                "grad_residuals": self.grad_codec.state_dict() if self.grad_codec is not None else {}}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """After the layer's SharedExpert is loaded (the "shared" references resolve to it)."""
+        current = self.shared.tensor if self.shared is not None else None
+
+        def deref(t: object) -> torch.Tensor | None:
+            return current if isinstance(t, str) else t  # type: ignore[return-value]
+
+        self._forget_gathers()
+        self._held, self._held_shared = deref(state["held"]), deref(state["held_shared"])
+        self._copies, self._copies_shared = deref(state["copies"]), deref(state["copies_shared"])
+        if self.grad_codec is not None:
+            self.grad_codec.load_state_dict(state["grad_residuals"])  # type: ignore[arg-type]
 
     def encode_ahead(self) -> None:
         """Right after the optimizer step (compressed only): encode now, while the weights are fresh,

@@ -35,6 +35,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -315,11 +316,66 @@ class PlanScheduler:
         self.update_estimates(self._finish(previous))
         return self.decide(iteration)
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the next decisions read, for an exact resume: the estimates and their windows, the
+        hysteresis streak, the network fit, the cost model's cached answer and the statistics
+        all-reduce in flight (waited for here; the next decision reads its result). The active and
+        adopted plans are the runtime's (HybridEPRuntime.state_dict)."""
+        pending = None
+        if self._pending is not None:
+            work, t, g, e, levels = self._pending
+            work.wait()
+            self._pending = (_Done(), t, g, e, levels)
+            pending = {"tensor": t.cpu(), "ep_size": g, "experts": e, "levels": list(levels)}
+        cache = None
+        if self._cache is not None:
+            (active, bw, routing), r = self._cache
+            fields = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}  # numpy floats: not weights_only
+            cache = {"active": active, "bandwidth": {k: float(v) for k, v in bw.items()}, "routing": _tensor(routing),
+                     "replan": {**{k: float(v) if isinstance(v, np.floating) else v for k, v in fields.items()},
+                                "plan": r.plan.to_json(indent=None)}}
+        return {"bandwidth_gbps": dict(self.bandwidth_gbps), "routing": _tensor(self.routing),
+                "streak": self._streak, "samples": {k: list(v) for k, v in self._samples.items()},
+                "compute_s": self.compute_s, "compute": list(self._compute), "iteration_s": self.iteration_s,
+                "iteration": list(self._iteration), "network_factor": self.network_factor,
+                "pending": pending, "cache": cache}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.bandwidth_gbps = dict(state["bandwidth_gbps"])
+        self.routing = _array(state["routing"])
+        self._streak = state["streak"]
+        self._samples = {k: list(v) for k, v in state["samples"].items()}
+        self.compute_s, self._compute = state["compute_s"], list(state["compute"])
+        self.iteration_s, self._iteration = state["iteration_s"], list(state["iteration"])
+        self.network_factor = state["network_factor"]
+        p = state["pending"]
+        self._pending = None if p is None else (_Done(), p["tensor"], p["ep_size"], p["experts"], tuple(p["levels"]))
+        c = state["cache"]
+        self._cache = None if c is None else (
+            (c["active"], dict(c["bandwidth"]), _array(c["routing"])),
+            Replan(**{**c["replan"], "plan": Plan.from_json(c["replan"]["plan"])}))
+        self._tick = time.perf_counter()  # the saved run's previous step: its wall time is not carried over
+
     def close(self) -> None:
         """Wait for the all-reduce in flight (call before the process group goes away)."""
         if self._pending is not None:
             self._pending[0].wait()
             self._pending = None
+
+
+class _Done:
+    """A finished all-reduce (restored from a checkpoint)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def _tensor(a: np.ndarray | None) -> torch.Tensor | None:
+    return None if a is None else torch.from_numpy(np.array(a, dtype=np.float64))
+
+
+def _array(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.numpy().copy()
 
 
 def _faster(lv: Level, k: float) -> Level:

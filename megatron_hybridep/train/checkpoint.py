@@ -1,6 +1,12 @@
 """--save/--load for the CPU loop with Megatron's dist_checkpointing (the same sharded format the
-GPU path writes). HybridEP saves exactly what plain EP saves: borrowed expert copies are not
-parameters, so a checkpoint written under hybridep loads under alltoall and the reverse."""
+GPU path writes). Megatron's part holds exactly what plain EP holds: borrowed expert copies are not
+parameters, so a checkpoint written under hybridep loads under alltoall and the reverse.
+
+For an exact resume each rank also writes its own file, ``hybridep/rank_NNNNN.pt`` in the
+iteration's directory: the RNG states and the HybridEP runtime's state (runtime/context.py
+state_dict: the codec's copies, error-feedback residuals, shared expert, step counter, plans). A
+loader without a runtime (alltoall) ignores it; a checkpoint without it (alltoall, older) resumes
+the runtime fresh, as before."""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 TRACKER = "latest_checkpointed_iteration.txt"
+EXTRA = "hybridep"
 
 
 def _dir(root: str, iteration: int) -> str:
@@ -32,10 +39,29 @@ def _sharded_state(args: argparse.Namespace, model: Any, optimizer: Any, schedul
             "opt_param_scheduler": scheduler.state_dict(), "iteration": iteration}
 
 
-def save(args: argparse.Namespace, iteration: int, model: Any, optimizer: Any, scheduler: Any) -> str:
+def _extra_file(path: str, rank: int) -> str:
+    return os.path.join(path, EXTRA, f"rank_{rank:05d}.pt")
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save(args: argparse.Namespace, iteration: int, model: Any, optimizer: Any, scheduler: Any,
+         runtime: Any = None) -> str:
     """Atomic: every rank writes into iter_N.partial; only after all have finished does rank 0
     rename it to iter_N and then replace the tracker (os.replace), so a rank killed mid-save leaves
-    the tracker on the previous complete checkpoint and no half-written iter_N."""
+    the tracker on the previous complete checkpoint and no half-written iter_N. With a HybridEP
+    ``runtime``, call between the optimizer step and its ``after_optimizer_step``."""
     from megatron.core import dist_checkpointing
 
     path = _dir(args.save, iteration)
@@ -45,6 +71,10 @@ def save(args: argparse.Namespace, iteration: int, model: Any, optimizer: Any, s
         os.makedirs(partial)
     dist.barrier()
     dist_checkpointing.save(_sharded_state(args, model, optimizer, scheduler, iteration), partial)
+    os.makedirs(os.path.join(partial, EXTRA), exist_ok=True)  # after: Megatron warns about a non-empty directory
+    extra = {"iteration": iteration, "rng": _rng_state(),
+             "runtime": runtime.state_dict() if runtime is not None else None}
+    torch.save(extra, _extra_file(partial, dist.get_rank()))
     _test_hook_die_in_save(iteration)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -77,16 +107,19 @@ def latest_iteration(root: str) -> int | None:
         return int(f.read().strip())
 
 
-def load(args: argparse.Namespace, model: Any, optimizer: Any, scheduler: Any) -> int:
-    """Restore model, optimizer and scheduler; returns the iteration to continue from (0 when the
-    directory holds no checkpoint, as Megatron does)."""
+def load(args: argparse.Namespace, model: Any, optimizer: Any, scheduler: Any, runtime: Any = None
+         ) -> tuple[int, bool]:
+    """Restore model, optimizer, scheduler, RNG and the HybridEP ``runtime``'s state; returns the
+    iteration to continue from (0 when the directory holds no checkpoint, as Megatron does) and
+    whether the runtime's state was restored (then the caller runs its ``after_optimizer_step``
+    before the next iteration, as the saved run did after saving)."""
     from megatron.core import dist_checkpointing
 
     iteration = latest_iteration(args.load)
     if iteration is None:
         if getattr(args, "exit_on_missing_checkpoint", False):
             raise FileNotFoundError(f"--load {args.load}: no {TRACKER}; fix: point --load at a --save directory")
-        return 0
+        return 0, False
     template = _sharded_state(args, model, optimizer, scheduler, iteration, loading=True)
     state = dist_checkpointing.load(template, _dir(args.load, iteration))
     # no_grad: with fp32/fp64 params the distributed optimizer's main params are views of the
@@ -95,5 +128,16 @@ def load(args: argparse.Namespace, model: Any, optimizer: Any, scheduler: Any) -
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
+    restored = _load_extra(_extra_file(_dir(args.load, iteration), dist.get_rank()), runtime)
     torch.distributed.barrier()
-    return int(state["iteration"])
+    return int(state["iteration"]), restored
+
+
+def _load_extra(path: str, runtime: Any) -> bool:
+    if not os.path.exists(path):  # written without it (older checkpoints): RNG and runtime start fresh
+        return False
+    extra = torch.load(path, map_location="cpu", weights_only=True)
+    _set_rng_state(extra["rng"])
+    if runtime is None or extra["runtime"] is None:  # alltoall on either side: Megatron's part is all there is
+        return False
+    return runtime.load_state_dict(extra["runtime"])

@@ -154,42 +154,61 @@ def run(args: argparse.Namespace, collect_params: bool = False,
 
         set_collective_timeout(args.hybridep_collective_timeout)
     model = chunks[0] if len(chunks) == 1 else chunks  # checkpoint.py takes one chunk
-    iteration = checkpoint.load(args, _one(chunks, "--load"), optimizer, lr_scheduler) if args.load else 0
+    iteration, restored = (checkpoint.load(args, _one(chunks, "--load"), optimizer, lr_scheduler, runtime)
+                           if args.load else (0, False))
+    if restored and iteration < args.train_iters:
+        runtime.after_optimizer_step()  # what the saved run did right after saving
     batches = data.train_batches(args, start_iteration=iteration)
     reporter = Reporter(args, choice, runtime, rank)
     micro = args.global_batch_size // (args.micro_batch_size * ps.get_data_parallel_world_size())
-    saved = False
     from megatron_hybridep.train.launch import progress  # the launcher's stall monitor (no-op elsewhere)
 
+    def saves(done: int) -> bool:
+        """Whether iteration ``done`` ends with a checkpoint: --save-interval, --exit-interval (as
+        Megatron does) or the last iteration."""
+        if not args.save:
+            return False
+        return done == args.train_iters or any(n and done % n == 0 for n in (args.save_interval, args.exit_interval))
+
+    save_seconds = 0.0
+
     def after_step(result: gpt.StepResult) -> Any:
+        nonlocal save_seconds
         lr_scheduler.step(increment=args.global_batch_size)
         decision = scheduler.step(iteration + 1) if scheduler is not None else None  # reads the stats
         reporter.reduce(result.loss)  # resets the stats
+        save_seconds = 0.0
+        if saves(iteration + 1):
+            # here, before the runtime's post-step encodes and launches the next gathers: nothing is
+            # in flight, and a resumed run replays that post-step from the saved state
+            progress(iteration + 1, "checkpoint save")
+            t = time.perf_counter()
+            _sync_params(chunks)  # --overlap-param-gather: the step's parameters gathered before they are saved
+            checkpoint.save(args, iteration + 1, _one(chunks, "--save"), optimizer, lr_scheduler, runtime)
+            save_seconds = time.perf_counter() - t
         return decision
 
+    ran = False
     while iteration < args.train_iters:
         t0 = time.perf_counter()
         progress(iteration, "forward-backward", predicted_seconds=reporter.predicted)
         out = gpt.run_iteration(chunks, optimizer, config, [next(batches) for _ in range(micro)],
                                 after_step=after_step, progress=partial(progress, iteration))
         iteration += 1
+        ran = True
         decision = out.after_step
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0 - save_seconds
         reporter.step(iteration, seconds, out.grad_norm, lr_scheduler, decision)
-        progress(iteration, "checkpoint save" if args.save else "end of iteration", step_seconds=seconds)
+        progress(iteration, "end of iteration", step_seconds=seconds)
         if on_iteration is not None:
             on_iteration(iteration, seconds, decision)
-        saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
-        if saved:
-            _sync_params(chunks)
-            checkpoint.save(args, iteration, _one(chunks, "--save"), optimizer, lr_scheduler)
         if args.exit_interval and iteration % args.exit_interval == 0:  # Megatron's --exit-interval
             break
     if scheduler is not None:
         scheduler.close()
     _sync_params(chunks)  # as Megatron's train() ends: the last step's parameters gathered
-    if args.save and not saved:
-        checkpoint.save(args, iteration, _one(chunks, "--save"), optimizer, lr_scheduler)
+    if args.save and not ran:  # resumed at the end: save again, as before (the runtime is still at rest)
+        checkpoint.save(args, iteration, _one(chunks, "--save"), optimizer, lr_scheduler, runtime)
     summary = reporter.finish(time.perf_counter() - start)
     if collect_params:
         summary.params = {f"{_chunk_prefix(c)}{n}": p.detach().clone()

@@ -1,0 +1,209 @@
+"""Exact resume (issue 28, item 1): a run stopped with --exit-interval N --save and resumed with
+--load equals the uninterrupted run bit for bit, losses at every iteration and every parameter, with
+the runtime's own state (incremental codec copies, error-feedback residuals, the shared expert and
+its refresh counter) and the RNG saved next to Megatron's checkpoint (train/checkpoint.py)."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from megatron_hybridep.train.checkpoint import latest_iteration
+from tests.matrix.harness import max_differences, train, write_cross_dc_plan
+
+pytestmark = pytest.mark.exactness
+
+# float32 (the codec has no float64 values): same machine, same ops in the same order, so bit for
+# bit. The shared expert is refreshed every 2 steps: one refresh falls on the save (4), one after it.
+COMPRESSED = ["--hybridep-compression-ratio", "10", "--hybridep-grad-compression-ratio", "10",
+              "--hybridep-shared-refresh-interval", "2"]
+ITERS, STOP = 6, 4
+
+
+def _stop_and_resume(flags, dispatcher, plan, ckpt, world=4, topology=None):
+    """(loss, parameter) largest differences between the uninterrupted run and the one stopped at
+    STOP (--exit-interval, saving on the way out as Megatron does) and resumed to ITERS."""
+    full = train(world, flags, dispatcher, plan=plan, topology=topology, iters=ITERS)
+    saving = [*flags, "--save", ckpt, "--save-interval", "100"]
+    stopped = train(world, [*saving, "--exit-interval", str(STOP)], dispatcher, plan=plan, topology=topology,
+                    iters=ITERS)
+    assert all(len(losses) == STOP for losses, _ in stopped) and latest_iteration(ckpt) == STOP
+    resumed = train(world, [*flags, "--load", ckpt], dispatcher, plan=plan, topology=topology, iters=ITERS)
+    assert all(len(losses) == ITERS - STOP for losses, _ in resumed)
+    assert any(not math.isnan(x) for losses, _ in resumed for x in losses)
+    return max_differences(resumed, [(losses[STOP:], params) for losses, params in full])
+
+
+@pytest.mark.parametrize("extra", [
+    [],                                                  # copies held for the iteration
+    ["--hybridep-borrowed-copies", "microbatch"],        # a gather per micro-batch
+    ["--hybridep-no-shared-expert"],                     # plain top-k: copies seeded with zeros
+    ["--use-distributed-optimizer"],
+], ids=["iteration", "microbatch", "topk", "distopt"])
+def test_compressed_run_resumes_bit_for_bit(extra, tmp_path):
+    plan = write_cross_dc_plan(str(tmp_path / "plan.json"))
+    loss, param = _stop_and_resume([*COMPRESSED, *extra], "hybridep", plan, str(tmp_path / "ckpt"))
+    assert loss == 0.0 and param == 0.0, f"resumed vs uninterrupted: loss {loss:.3g}, param {param:.3g}"
+
+
+def test_compressed_run_with_hot_replicas_resumes_bit_for_bit(tmp_path):
+    from megatron_hybridep.plan.plan import Plan
+
+    plan = str(tmp_path / "plan.json")
+    Plan.grid((2, 2), (2, 1), 8, ("dc", "gpu")).with_replicas([(0, 1), (0, 3), (1, 3)], max_per_rank=2).save(plan)
+    loss, param = _stop_and_resume(COMPRESSED, "hybridep", plan, str(tmp_path / "ckpt"))
+    assert loss == 0.0 and param == 0.0, f"resumed vs uninterrupted: loss {loss:.3g}, param {param:.3g}"
+
+
+@pytest.mark.matrix
+def test_compressed_run_with_pipeline_stages_resumes_bit_for_bit(tmp_path):
+    """PP 2 x EP 4 on 8 ranks (4 DCs x 2, as tests/matrix/test_parallel.py): each stage's MoE layer
+    saves its own codec state."""
+    from tests.matrix.harness import write_topology
+
+    topology = write_topology(str(tmp_path / "topo.yaml"), dcs=4, per_dc=2)
+    plan = write_cross_dc_plan(str(tmp_path / "plan.json"))
+    flags = [*COMPRESSED, "--expert-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
+             "--global-batch-size", "16"]
+    loss, param = _stop_and_resume(flags, "hybridep", plan, str(tmp_path / "ckpt"), world=8, topology=topology)
+    assert loss == 0.0 and param == 0.0, f"resumed vs uninterrupted: loss {loss:.3g}, param {param:.3g}"
+
+
+def test_dropout_resumes_bit_for_bit(tmp_path):
+    """The RNG comes back: dropout masks after the resume are the uninterrupted run's."""
+    flags = ["--hybridep-fp64", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    loss, param = _stop_and_resume(flags, "alltoall", None, str(tmp_path / "ckpt"))
+    assert loss == 0.0 and param == 0.0, f"resumed vs uninterrupted: loss {loss:.3g}, param {param:.3g}"
+
+
+def _runtime_state(ckpt, iteration, rank):
+    path = os.path.join(ckpt, f"iter_{iteration:07d}", "hybridep", f"rank_{rank:05d}.pt")
+    return torch.load(path, map_location="cpu", weights_only=True)["runtime"]
+
+
+@pytest.mark.parametrize("saved_with,loaded_with", [("hybridep", "alltoall"), ("alltoall", "hybridep")])
+def test_compressed_checkpoints_move_between_hybridep_and_alltoall(saved_with, loaded_with, tmp_path):
+    """The runtime's state is a part of its own: a loader without a runtime ignores it, and a
+    hybridep run started from a checkpoint without it starts its codec fresh (and trains)."""
+    plan = write_cross_dc_plan(str(tmp_path / "plan.json"))
+    ckpt = str(tmp_path / "ckpt")
+    flags = {"hybridep": COMPRESSED, "alltoall": []}
+    plans = {"hybridep": plan, "alltoall": None}
+    train(4, [*flags[saved_with], "--save", ckpt, "--save-interval", "2", "--exit-interval", "2"], saved_with,
+          plan=plans[saved_with], iters=3)
+    state = _runtime_state(ckpt, 2, 1)
+    if saved_with == "hybridep":  # the codec's copies and residuals are in it
+        layer = state["layers"][0]["gathers"][0]
+        assert state["step"] == 1 and layer["copies"] is not None and layer["grad_residuals"]
+    else:
+        assert state is None
+    resumed = train(4, [*flags[loaded_with], "--load", ckpt], loaded_with, plan=plans[loaded_with], iters=3)
+    assert all(len(losses) == 1 and math.isfinite(losses[0]) for losses, _ in resumed)
+
+
+
+def _scheduled(ctx, argv):
+    """(plan and scheduler state right after --load, or None; plan active at the end; decisions)."""
+    import functools
+
+    from megatron_hybridep.megatron.arguments import parse
+    from megatron_hybridep.runtime import scheduler
+    from megatron_hybridep.runtime.context import get_runtime
+    from megatron_hybridep.train import checkpoint, cpu_loop
+    from tests.matrix.harness import PRESET
+
+    # loopback calls take milliseconds: count them as measured rates (as tests/faults' slow-rank test)
+    scheduler.SchedulerConfig = functools.partial(scheduler.SchedulerConfig, min_call_s=0.0, min_gain=0.0)
+    after_load, active, decisions = {}, [], []
+    load = checkpoint.load
+
+    def recording_load(*args, **kwargs):
+        out = load(*args, **kwargs)
+        runtime = get_runtime()
+        after_load.update(plan=runtime.plan.label, state=getattr(runtime.scheduler, "state_dict", dict)())
+        return out
+
+    def on_iteration(iteration, seconds, decision):
+        active[:] = [get_runtime().plan.label]
+        if decision is not None:
+            decisions.append((iteration, decision.switched, decision.replan.plan.label))
+
+    checkpoint.load = recording_load
+    cpu_loop.run(parse(argv, default_config=PRESET), on_iteration=on_iteration)
+    return after_load, active[0], decisions
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_scheduler_resumes_its_plan_and_estimates(tmp_path):
+    """A run that switched plans before the save resumes on the plan it switched to, with the
+    scheduler's estimates, windows, hysteresis streak, cached cost and pending statistics."""
+    from megatron_hybridep.train.launch import run_ranks
+    from tests.matrix.harness import REPO
+
+    # a configured WAN far slower than loopback: the start-up plan is wrong once bandwidth is measured,
+    # and the first switch comes at iteration 10 (warm-up 3, decisions every 2, a window of 3 samples)
+    src = open(os.path.join(REPO, "configs", "topologies", "2dc_x_2.yaml")).read()
+    for old in ("bandwidth_gbps: 10\n", "uplink_gbps: 10\n"):
+        src = src.replace(old, old.split(":")[0] + ": 0.001\n")
+    topo = tmp_path / "slow.yaml"
+    topo.write_text(src)
+    ckpt = str(tmp_path / "ckpt")
+    argv = ["--train-iters", "16", "--log-interval", "100", "--lr-warmup-iters", "1", "--hybridep-replan-interval",
+            "2", "--hybridep-replan-replicas", "2", "--hybridep-topology", str(topo), "--save", ckpt,
+            "--save-interval", "100"]
+    stopped = run_ranks(_scheduled, 4, [*argv, "--exit-interval", "12"], timeout=400)
+    _, at_stop, decisions = stopped[0]
+    assert any(switched for _, switched, _ in decisions), decisions  # the premise: it left the start-up plan
+    resumed = run_ranks(_scheduled, 4, [*argv, "--load", ckpt], timeout=400)
+    for rank, (after_load, _, after) in enumerate(resumed):
+        assert after_load["plan"] == at_stop, (rank, after_load["plan"], at_stop, decisions)
+        saved = torch.load(os.path.join(ckpt, "iter_0000012", "hybridep", f"rank_{rank:05d}.pt"),
+                           weights_only=True)["runtime"]["scheduler"]
+        assert saved["samples"] and saved["cache"] is not None  # it had measured and costed
+        assert _same(after_load["state"], saved), rank
+        assert after == resumed[0][2] and all(it > 12 for it, _, _ in after)  # every rank decides the same
+
+
+def _restored(ctx, argv):
+    """Whether --load restored the runtime's state, and this rank's losses."""
+    from megatron_hybridep.megatron.arguments import parse
+    from megatron_hybridep.train import checkpoint, cpu_loop
+    from tests.matrix.harness import PRESET
+
+    seen, load = [], checkpoint.load
+
+    def recording_load(*args, **kwargs):
+        out = load(*args, **kwargs)
+        seen.append(out[1])
+        return out
+
+    checkpoint.load = recording_load
+    return seen, cpu_loop.run(parse(argv, default_config=PRESET)).losses
+
+
+def test_state_saved_under_another_plan_is_ignored(tmp_path):
+    """Resumed under another plan, the copies (shaped by the old domains) are not restored: the
+    codec starts fresh, and training goes on."""
+    from megatron_hybridep.train.launch import run_ranks
+    from tests.matrix.harness import TINY
+
+    ckpt = str(tmp_path / "ckpt")
+    common = [*TINY, *COMPRESSED, "--train-iters", "3"]
+    plan = write_cross_dc_plan(str(tmp_path / "plan.json"))
+    saving = ["--save", ckpt, "--save-interval", "2", "--exit-interval", "2"]
+    same = run_ranks(_restored, 4, [*common, *saving, "--hybridep-plan", plan], timeout=300)
+    assert all(seen == [] for seen, _ in same), same
+    other = run_ranks(_restored, 4, [*common, "--hybridep-plan", "ep", "--load", ckpt], timeout=300)
+    assert all(seen == [False] and len(losses) == 1 and math.isfinite(losses[0]) for seen, losses in other), other
+    again = run_ranks(_restored, 4, [*common, "--hybridep-plan", plan, "--load", ckpt], timeout=300)
+    assert all(seen == [True] and len(losses) == 1 for seen, losses in again), again
