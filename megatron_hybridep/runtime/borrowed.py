@@ -107,9 +107,8 @@ class FusedWgrad:
         self.buffer: torch.Tensor | None = None
 
     def attach(self, flat: torch.Tensor, views: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
-        """Give every view of ``flat`` (the copies) the matching slice of the buffer as main_grad."""
-        if not self.enabled:
-            return
+        """Give every view of ``flat`` (the copies) the matching slice of the buffer as main_grad
+        (callers skip it, and building the views' list, when not ``enabled``)."""
         if self.buffer is None or self.buffer.numel() != flat.numel() or self.buffer.device != flat.device:
             main = getattr(params[0], "main_grad", None)
             dtype = main.dtype if main is not None else torch.promote_types(flat.dtype, torch.float32)

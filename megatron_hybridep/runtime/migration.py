@@ -324,7 +324,8 @@ class DomainGather:
                 views[name] = chunk[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
             out.append(views)
-        self.wgrad.attach(gathered, [v for views in out if views is not None for v in views.values()], self.params)
+        if self.wgrad.enabled:
+            self.wgrad.attach(gathered, [v for views in out if views is not None for v in views.values()], self.params)
         return out
 
     def _owed(self, grad: torch.Tensor) -> torch.Tensor | None:

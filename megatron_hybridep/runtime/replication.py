@@ -125,7 +125,8 @@ class ReplicaExchange:
                 tensors.append(row[offset:offset + n].view(shape))
                 offset += n
             out.append((e, tensors))
-        self.wgrad.attach(recv, [t for _, tensors in out for t in tensors], self.params)
+        if self.wgrad.enabled:
+            self.wgrad.attach(recv, [t for _, tensors in out for t in tensors], self.params)
         return hidden, out
 
     def slot_names(self, slot: int) -> list[str]:
