@@ -14,6 +14,7 @@ from megatron_hybridep.bench import report as br
 from megatron_hybridep.bench.config import SYSTEMS, BenchConfig
 from megatron_hybridep.bench.predict import MEASURED
 from megatron_hybridep.bench.session import Session
+from megatron_hybridep.plan.layout import layout_workload
 from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.testbed.selfcheck import TCP_GOODPUT_FRACTION
 
@@ -32,7 +33,11 @@ def analyse(cfg: BenchConfig, session: Session, events: list[dict[str, Any]], el
     for e in sorted(measured, key=lambda e: (e["point"], SYSTEMS.index(e["system"]))):
         point = cfg.points[e["point"]]
         workload = session.workload(point, events, e["system"])
-        if e["system"].startswith("hybridep"):
+        if (e["point"], e["system"]) in session.layouts:  # pp, auto: one stage's plan in the layout's workload
+            lay = session.layouts[(e["point"], e["system"])]
+            workload = layout_workload(workload, lay.tp, lay.pp)
+            plan = session.chosen[(e["point"], e["system"])]
+        elif e["system"].startswith("hybridep"):
             plan = session.chosen[(e["point"], e["system"])]
         else:
             plan = bp.system_plan(e["system"], shaped, cfg.model.num_experts)
@@ -58,7 +63,8 @@ def make_row(cfg: BenchConfig, e: dict[str, Any], base: dict[str, Any], pred: bp
     payload += r[f"{P.TOKEN_DISPATCH}_dc_bytes"] + r[f"{P.TOKEN_COMBINE}_dc_bytes"]  # backward: the transposes
     return br.Row(
         point=e["point"], tokens=e["tokens"], micro_batch=e["micro_batch"], seq=e["seq"],
-        micro_batches=m, token_traffic_mb=cfg.model.token_traffic_bytes(e["tokens"], m) / 1e6,
+        # EP's traffic at the same global batch (a layout with PP runs more micro-batches on fewer ranks)
+        micro_batches=m, token_traffic_mb=cfg.model.token_traffic_bytes(e["tokens"], cfg.micro_batches) / 1e6,
         system=e["system"], plan=e["plan"],
         iters=it, median_s=e["median_s"], min_s=min(steps), max_s=max(steps), q1_s=q1, q3_s=q3,
         speedup_vs_ep=ep_median / e["median_s"],
@@ -71,7 +77,7 @@ def make_row(cfg: BenchConfig, e: dict[str, Any], base: dict[str, Any], pred: bp
         pred_token_a2a_s=ph[P.TOKEN_A2A], pred_expert_gather_s=ph[P.EXPERT_ALLGATHER],
         pred_grad_return_s=ph[P.GRAD_RETURN], pred_shared_sync_s=ph[P.SHARED_SYNC],
         pred_expert_grad_allreduce_s=ph[P.EXPERT_GRAD_ALLREDUCE],
-        pred_dense_grad_allreduce_s=ph[P.DENSE_GRAD_ALLREDUCE],
+        pred_dense_grad_allreduce_s=ph[P.DENSE_GRAD_ALLREDUCE], pred_pipeline_send_s=ph[P.PIPELINE_SEND],
         meas_a2a_fwd_s=a2a_fwd,
         pred_a2a_fwd_s=b[f"{P.TOKEN_DISPATCH}_s"] + b[f"{P.TOKEN_COMBINE}_s"] + ph[P.TOKEN_A2A] / 2,
         meas_gather_wait_s=r[f"{P.EXPERT_ALLGATHER}_s"],
@@ -166,6 +172,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
                                                                 ("unshaped_wan_mbit", "intra_mbit")},
         "dense_params": dense_params,
         "hybridep_plans": session.info["chosen"], "planner_best_overall": session.info["planner_best"],
+        "layouts": session.info.get("layouts", {}), "overlap_grad_reduce": cfg.overlap_grad_reduce,  # pp's and auto's layout and stage plan per "point system"
         "targets": [c.__dict__ for c in checks],
         "link_counters_check_mb": {"timed_windows": window, "shaped_segments": total},
         "all_to_all_probe": probe,

@@ -76,7 +76,7 @@ def run_bench(cfg: BenchConfig, log: IO[str] = sys.stdout) -> dict[str, Any]:
     cfg.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     spec = {"model": cfg.model.gpt_args(cfg.seq), "timeout_s": cfg.timeout, "micro_batches": cfg.micro_batches,
-            "hold_copies": cfg.hold_copies}
+            "hold_copies": cfg.hold_copies, "overlap_grad_reduce": cfg.overlap_grad_reduce}
     (cfg.out / "spec.json").write_text(json.dumps(spec, indent=1))
     repo = Path(__file__).resolve().parents[2]
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
@@ -87,7 +87,8 @@ def run_bench(cfg: BenchConfig, log: IO[str] = sys.stdout) -> dict[str, Any]:
         session = Session(cfg, tb, log)
         session.say(f"{tb.describe()}; model {cfg.model.name}; points (tokens/rank) "
                     f"{[p['tokens'] for p in cfg.points]} x {cfg.micro_batches} micro-batches "
-                    f"(borrowed copies: {cfg.borrowed_copies}); systems {','.join(cfg.systems)}")
+                    f"(borrowed copies: {cfg.borrowed_copies}; overlap-grad-reduce "
+                    f"{'on' if cfg.overlap_grad_reduce else 'off'}); systems {','.join(cfg.systems)}")
         deadline = t0 + cfg.timeout
         while session.pending():  # one launch per point: fresh ranks (see bench/session)
             _launch(cfg, tb, session, env, Path(tmp), cfg.out / "logs" / f"point{session.queue[0][0]}", repo,

@@ -15,13 +15,17 @@ from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.testbed.sh import TestbedError
 from megatron_hybridep.testbed.shaping import parse_rate_mbit
 
-SYSTEMS = ("ep", "replicated", "hybridep", "hybridep-compressed")
+SYSTEMS = ("ep", "replicated", "hybridep", "hybridep-compressed", "pp", "auto")
 COMPRESSED = "hybridep-compressed"  # HybridEP with weights and returned gradients top-k compressed
+# pp: one pipeline stage per DC (PP = DCs), alltoall EP inside each DC: the layout Megatron's rank order
+# gives a job launched DC by DC; auto: the layout planner's choice (plan/layout.py; TP 1 on CPU).
+# Layouts with PP run PP x the micro-batches per iteration: the same global batch on world / PP ranks.
+LAYOUTS = ("pp", "auto")
 SPAN = 32  # token traffic range of the sweep (paper: 6..192 MB)
 DEFAULTS: dict[str, Any] = {"dcs": 2, "ranks_per_dc": 2, "rate": "50mbit", "points": 6, "min_tokens": 128,
                             "seq": 128, "warmup": 2, "iters": 7, "systems": ",".join(SYSTEMS), "timeout": 1800.0,
                             "burst_ms": 1.0, "compression_ratio": 50.0, "micro_batches": 1,
-                            "borrowed_copies": "auto"}
+                            "borrowed_copies": "auto", "overlap_grad_reduce": True}
 COPIES = ("auto", "iteration", "microbatch")  # --hybridep-borrowed-copies; auto = iteration (bench models fit)
 # --smoke: the same path end to end, small enough for CI (< 60 s on 2 cores)
 SMOKE: dict[str, Any] = {"points": 2, "min_tokens": 32, "seq": 32, "warmup": 1, "iters": 2, "timeout": 150.0}
@@ -65,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--borrowed-copies", choices=COPIES, default=None,
                         help="HybridEP's borrowed expert copies: held for the iteration (one gather and one "
                              "gradient return per iteration) or re-gathered per micro-batch; auto = iteration")
+    parser.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=None,
+                        help="Megatron's --overlap-grad-reduce in every system, as a Megatron user runs it "
+                             "(default on; --no-overlap-grad-reduce: the blocking reduction)")
     parser.add_argument("--smoke", action="store_true",
                         help=f"quick end-to-end check: {SMOKE['points']} points from {SMOKE['min_tokens']} tokens, "
                              f"seq {SMOKE['seq']}, {SMOKE['warmup']} warm-up + {SMOKE['iters']} iterations")
@@ -97,6 +104,11 @@ class BenchConfig:
     quiet: bool = False
     micro_batches: int = 1
     borrowed_copies: str = "auto"
+    overlap_grad_reduce: bool = True
+
+    def system_micro_batches(self, system: str, pp: int = 1) -> int:
+        """Micro-batches per iteration of a system whose layout has ``pp`` stages: the same global batch."""
+        return self.micro_batches * (self.dcs if system == "pp" else pp)
 
     @property
     def hold_copies(self) -> bool:
@@ -120,6 +132,8 @@ class BenchConfig:
         argv += ["--micro-batches", str(self.micro_batches)]
         if self.borrowed_copies != "auto":
             argv += ["--borrowed-copies", self.borrowed_copies]
+        if not self.overlap_grad_reduce:
+            argv += ["--no-overlap-grad-reduce"]
         argv += ["--out", str(self.out)]
         return shlex.join(argv)
 
@@ -178,6 +192,10 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
         model.check(dcs * k)
     except PlanError as exc:
         raise BenchError(f"--model: {exc}") from None
+    if "pp" in systems and (model.num_layers % dcs or model.num_experts % k):
+        raise BenchError(f"--systems pp: one pipeline stage per DC needs the layers ({model.num_layers}) divisible by "
+                         f"--dcs ({dcs}) and the experts ({model.num_experts}) by --ranks-per-dc ({k}); fix: a "
+                         "deeper --model, or drop pp from --systems")
     burst_ms = float(get("burst_ms"))
     if burst_ms < 0:
         raise BenchError(f"--burst-ms: must be >= 0, got {burst_ms}; fix: 1 (a real link) or 0 (the testbed's)")
@@ -191,4 +209,5 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     return BenchConfig(model, model_path or "builtin", dcs, k, rate, rate_text, sweep(min_tokens, seq, points), seq,
                        min_tokens, warmup, iters, systems, out, float(get("timeout")), bool(args.smoke), burst_ms,
-                       ratio, bool(getattr(args, "quiet", False)), micro, str(get("borrowed_copies")))
+                       ratio, bool(getattr(args, "quiet", False)), micro, str(get("borrowed_copies")),
+                       bool(get("overlap_grad_reduce")))

@@ -11,9 +11,9 @@ How a prediction is made (per system, plan and point):
   expert speed measured there are also fed to the Workload (t_pre_ms, throughput_tflops).
 - "network(rate)": the exposed network phases of the cost model the planner uses (plan/cost.py,
   tier b: the runtime's schedule; token all-to-alls, gathers hidden behind T_pre where they fit,
-  blocking gradient return, shared-expert refresh and expert-data-parallel all-reduce), plus the
-  dense-parameter all-reduce every plan pays (absent from the cost model, added with the same ring
-  primitive). Links run at the TCP goodput of the rate (selfcheck.TCP_GOODPUT_FRACTION).
+  blocking gradient return, shared-expert refresh, expert- and dense-data-parallel all-reduces,
+  overlapped under overlap_grad_reduce; pipeline sends for a layout with PP). Without the model's
+  dense parameter count the dense all-reduce is priced as a blocking ring over every rank. Links run at the TCP goodput of the rate (selfcheck.TCP_GOODPUT_FRACTION).
 - Calibration, stated as such: the shaped token all-to-alls are divided by the share of the rate a
   bare gloo all-to-all of EP's size got on the shaped WAN (the bench's probe, per point). gloo
   exchanges both directions of a pair on one TCP connection, which gets less than the one-way
@@ -30,6 +30,7 @@ from typing import Any
 
 from megatron_hybridep.plan.cost import CostModel
 from megatron_hybridep.plan.errors import PlanError
+from megatron_hybridep.plan.layout import Layout, LayoutResult
 from megatron_hybridep.plan.network import Family
 from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.plan.plan import Plan
@@ -41,7 +42,7 @@ STEADY_S = 0.05  # all-to-alls at least this long at the rate see steady-state T
 FP32 = 4  # bytes per element: the CPU runtime trains in fp32 (activations, weights, gradients)
 # the network phases a prediction reports (plan/phases.py): token all-to-alls both ways as one
 PHASES = (Phase.TOKEN_A2A, Phase.EXPERT_ALLGATHER, Phase.GRAD_RETURN, Phase.SHARED_SYNC, Phase.EXPERT_GRAD_ALLREDUCE,
-          Phase.DENSE_GRAD_ALLREDUCE, Phase.REPLICA_WEIGHTS, Phase.REPLICA_GRAD_RETURN)
+          Phase.DENSE_GRAD_ALLREDUCE, Phase.REPLICA_WEIGHTS, Phase.REPLICA_GRAD_RETURN, Phase.PIPELINE_SEND)
 # the runtime's Stats phases the bench worker reports per step (seconds and inter-DC bytes)
 MEASURED = (Phase.TOKEN_DISPATCH, Phase.TOKEN_COMBINE, Phase.EXPERT_ALLGATHER, Phase.GRAD_RETURN)
 
@@ -127,10 +128,13 @@ class Calibration:
 
     def workload(self, shape: ModelShape, tokens: int, seq: int, compression_ratio: float = 1.0,
                  shared_sync_bytes_per_layer: float = 0.0, micro_batches: int = 1,
-                 hold_copies: bool = True) -> Workload:
+                 hold_copies: bool = True, overlap_grad_reduce: bool = False,
+                 dense_params: int | None = None) -> Workload:
         """tokens: per micro-batch; the timings are per iteration of `micro_batches` micro-batches.
         compression_ratio: weights and returned gradients (the bench's compressed HybridEP);
-        hold_copies: borrowed copies held for the iteration (--borrowed-copies)."""
+        hold_copies: borrowed copies held for the iteration (--borrowed-copies); dense_params: the
+        model's non-expert parameters as its ranks counted them (the cost model then prices their
+        data-parallel reduction, overlapped under overlap_grad_reduce, over each layout's DP group)."""
         per_copy = self.expert_fwd_s / max(self.expert_rows, 1.0)
         tflops = 2.0 * shape.expert_params / per_copy / 1e12 if per_copy > 0 else 1.0
         return Workload(
@@ -142,7 +146,8 @@ class Calibration:
             t_pre_ms=self.t_pre_s / shape.num_layers / micro_batches * 1e3, throughput_tflops=tflops,
             compression_ratio=compression_ratio, grad_compression_ratio=compression_ratio,
             shared_sync_bytes_per_layer=shared_sync_bytes_per_layer, name=shape.name, backend="gloo",
-            borrowed_copies="iteration" if hold_copies else "microbatch")
+            borrowed_copies="iteration" if hold_copies else "microbatch", overlap_grad_reduce=overlap_grad_reduce,
+            dense_params=dense_params)
 
 
 def system_plan(system: str, topology: Topology, num_experts: int) -> Plan:
@@ -153,6 +158,30 @@ def system_plan(system: str, topology: Topology, num_experts: int) -> Plan:
     if system == "replicated":
         return Plan.replicated(layout.counts, num_experts, layout.names)
     raise ValueError(f"system {system!r} has no fixed plan")
+
+
+def pp_layout(dcs: int, ranks_per_dc: int, micro_batches: int) -> Layout:
+    """The bench's ``pp`` system: one stage per DC, alltoall EP over the DC's ranks, the same global
+    batch as the PP 1 systems (``micro_batches`` of theirs, times the stages)."""
+    return Layout(1, dcs, ranks_per_dc, ranks_per_dc, micro_batches * dcs, f"1 dc x {ranks_per_dc} gpu")
+
+
+def stage_plan(topology: Topology, pp: int, ep: int, num_experts: int) -> Plan:
+    """Plain EP over ``ep`` ranks of a pipeline stage (what alltoall runs there)."""
+    layout = topology.pipeline_stage(pp).ep_layout(ep)
+    return Plan.grid(layout.counts, (1,) * len(layout.counts), num_experts, layout.names)
+
+
+def choose_layout(topology: Topology, workload: Workload) -> LayoutResult:
+    """The bench's ``auto`` system: the layout planner's fastest layout that fits, without tensor
+    parallelism (the bench's CPU ranks run none). ``workload``: the PP 1 systems' (plan/layout.py)."""
+    from megatron_hybridep.plan.layout import plan_layouts
+
+    runnable = [r for r in plan_layouts(topology, workload) if r.fits and r.layout.tp == 1]
+    if not runnable:
+        raise PlanError(f"auto: no layout without tensor parallelism fits {topology.describe()}; fix: drop auto from "
+                        "--systems")
+    return runnable[0]
 
 
 def candidate_plans(topology: Topology, num_experts: int) -> list[Plan]:
@@ -190,12 +219,14 @@ def network_time(topology: Topology, workload: Workload, plan: Plan, dense_param
     seconds[Phase.TOKEN_A2A] = (ph[Phase.TOKEN_A2A_FWD] + ph[Phase.TOKEN_A2A_BWD]) / a2a_efficiency
     if seconds.get(Phase.GRAD_RETURN, 0.0) >= STEADY_S:
         seconds[Phase.GRAD_RETURN] /= steady_efficiency
+    dc = next(lv for lv in cb.levels if lv.name == topology.levels[0].name)
+    if workload.dense_params is not None:  # the cost model's own: the layout's DP group, overlap-aware
+        return NetworkTime(seconds, dc.uplink_bytes)
     world = topology.world_size
     dense = cost.network.ring(Family(topology.level_counts, (1,) * len(topology.levels)),
                               2 * (world - 1) / world * dense_params * FP32, 2 * (world - 1))
     seconds[Phase.DENSE_GRAD_ALLREDUCE] = dense.seconds
     # bytes through a DC uplink (level 0), one direction, per iteration
-    dc = next(lv for lv in cb.levels if lv.name == topology.levels[0].name)
     return NetworkTime(seconds, dc.uplink_bytes + dense.uplink_bytes[0])
 
 
@@ -235,5 +266,5 @@ def best_domains_plan(result: PlanningResult) -> Plan:
 
 
 __all__ = ["BUILTIN", "Calibration", "MEASURED", "ModelShape", "NetworkTime", "PHASES", "Prediction",
-           "best_domains_plan", "candidate_plans", "load_model", "network_time", "plan_for_point", "predict",
-           "system_plan", "testbed_topology"]
+           "best_domains_plan", "candidate_plans", "choose_layout", "load_model", "network_time", "plan_for_point",
+           "pp_layout", "predict", "stage_plan", "system_plan", "testbed_topology"]

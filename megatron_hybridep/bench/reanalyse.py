@@ -16,6 +16,8 @@ from megatron_hybridep.bench import predict as bp
 from megatron_hybridep.bench.analysis import analyse
 from megatron_hybridep.bench.config import BenchError, add_arguments, resolve
 from megatron_hybridep.bench.session import Session
+from megatron_hybridep.plan.layout import Layout
+from megatron_hybridep.plan.plan import Plan
 
 
 def recorded_events(out: Path) -> list[dict[str, Any]]:
@@ -45,6 +47,7 @@ def reanalyse(out: Path) -> dict[str, Any]:
     args = parser.parse_args(argv[argv.index("bench") + 1:])
     args.out, args.quiet = str(out), True
     cfg = resolve(args)
+    cfg.overlap_grad_reduce = bool(summary.get("overlap_grad_reduce", False))  # runs before the flag had none
     session = Session(cfg, tb=None, log=io.StringIO())  # type: ignore[arg-type]  # nothing is shaped
     session.events = recorded_events(out)
     session.info.update(summary["probe"], chosen=dict(summary["hybridep_plans"]),
@@ -56,4 +59,9 @@ def reanalyse(out: Path) -> dict[str, Any]:
         if label not in candidates:
             raise BenchError(f"--reanalyse: plan {label!r} of {key} is not a candidate of this testbed")
         session.chosen[(int(point), system)] = candidates[label]
+    for key, ran in summary.get("layouts", {}).items():  # pp's and auto's: the layouts that ran
+        point, system = key.split()
+        session.layouts[(int(point), system)] = Layout(**ran["layout"])
+        session.chosen[(int(point), system)] = Plan.from_dict(ran["plan"])
+    session.info["layouts"] = dict(summary.get("layouts", {}))
     return analyse(cfg, session, session.events, float(summary["elapsed_s"]))

@@ -8,9 +8,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-SYSTEM_ORDER = ("ep", "replicated", "hybridep", "hybridep-compressed")
+SYSTEM_ORDER = ("ep", "replicated", "hybridep", "hybridep-compressed", "pp", "auto")
 SYSTEM_LABEL = {"ep": "alltoall EP", "replicated": "replicated", "hybridep": "HybridEP",
-                "hybridep-compressed": "HybridEP-c"}
+                "hybridep-compressed": "HybridEP-c", "pp": "PP per DC", "auto": "auto layout"}
+MEGATRON = ("ep", "replicated", "pp")  # what a Megatron user runs without hybridep
 HYBRID = ("hybridep", "hybridep-compressed")
 TARGET_TOP_SPEEDUP = 5.0
 TARGET_LOW_SLOWDOWN = 0.05
@@ -50,6 +51,7 @@ class Row:
     pred_shared_sync_s: float
     pred_expert_grad_allreduce_s: float
     pred_dense_grad_allreduce_s: float
+    pred_pipeline_send_s: float  # what the shaped WAN adds to the pipeline's activation / gradient sends
     meas_a2a_fwd_s: float  # dispatch + combine, forward only (instrumented); backward is not timed
     pred_a2a_fwd_s: float  # unshaped measured + half of the predicted token all-to-all time
     meas_gather_wait_s: float
@@ -145,11 +147,41 @@ def check_targets(rows: Sequence[Row]) -> list[TargetCheck]:
             h, ep = by[(lo, system)].median_s, by[(lo, "ep")].median_s
             out.append(TargetCheck(f"lowest point: {name} at most {TARGET_LOW_SLOWDOWN:.0%} slower than EP",
                                    h <= ep * (1 + TARGET_LOW_SLOWDOWN), f"{(h / ep - 1) * 100:+.1f}% vs EP"))
+    out += layout_targets(rows)
     worst = max(rows, key=lambda r: abs(r.pred_error_pct))
     bad = sum(abs(r.pred_error_pct) > TARGET_PRED_ERROR * 100 for r in rows)
     out.append(TargetCheck(f"predicted step within {TARGET_PRED_ERROR:.0%} of measured at every point",
                            bad == 0, f"{len(rows) - bad}/{len(rows)} within; worst {worst.pred_error_pct:+.1f}% "
                            f"({SYSTEM_LABEL[worst.system]}, point {worst.point})"))
+    return out
+
+
+def layout_targets(rows: Sequence[Row]) -> list[TargetCheck]:
+    """Issue 25's: against the best Megatron layout measured at each point (ep, replicated, pp), where
+    HybridEP wins and where it loses; and the layout planner's choice against the fastest system."""
+    out: list[TargetCheck] = []
+    points = sorted({r.point for r in rows})
+    for system in (*HYBRID, "auto"):
+        pairs = []
+        for p in points:
+            mine = next((r for r in rows if r.point == p and r.system == system), None)
+            base = [r for r in rows if r.point == p and r.system in MEGATRON]
+            if mine and base:
+                best = min(base, key=lambda r: r.median_s)
+                pairs.append((p, best.median_s / mine.median_s, best.system))
+        if pairs and (system != "auto" or any(s == "pp" for _, _, s in pairs)):
+            wins = sum(x >= 1 for _, x, _ in pairs)
+            detail = ", ".join(f"pt {p}: {x:.2f}x vs {SYSTEM_LABEL[s]}" for p, x, s in pairs)
+            out.append(TargetCheck(f"{SYSTEM_LABEL[system]} vs the best Megatron layout measured", wins == len(pairs),
+                                   f"faster at {wins}/{len(pairs)} points ({detail})"))
+    auto = [r for r in rows if r.system == "auto"]
+    if auto:
+        close = 0
+        for r in auto:
+            fastest = min((x.median_s for x in rows if x.point == r.point and x.system != "auto"), default=r.median_s)
+            close += r.median_s <= 1.05 * fastest
+        out.append(TargetCheck("auto layout within 5% of the fastest other system at every point",
+                               close == len(auto), f"{close}/{len(auto)} points"))
     return out
 
 
@@ -187,7 +219,8 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     systems = [s for s in SYSTEM_ORDER if any(r.system == s for r in rows)]
-    colors = {"ep": "tab:red", "replicated": "tab:blue", "hybridep": "tab:green", "hybridep-compressed": "tab:purple"}
+    colors = {"ep": "tab:red", "replicated": "tab:blue", "hybridep": "tab:green", "hybridep-compressed": "tab:purple",
+              "pp": "tab:orange", "auto": "tab:brown"}
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     for s in systems:
         rs = sorted((r for r in rows if r.system == s), key=lambda r: r.point)

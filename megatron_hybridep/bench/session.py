@@ -9,13 +9,15 @@ accumulated ~400 threads by the end of a sweep and the machine's load climbed wi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from megatron_hybridep.bench import predict as bp
-from megatron_hybridep.bench.config import COMPRESSED, SYSTEMS, BenchConfig, BenchError
+from megatron_hybridep.bench.config import COMPRESSED, LAYOUTS, SYSTEMS, BenchConfig, BenchError
+from megatron_hybridep.plan.layout import Layout, is_hybridep
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.testbed.network import Testbed
 from megatron_hybridep.testbed.selfcheck import TCP_GOODPUT_FRACTION, measure_throughput
@@ -57,7 +59,9 @@ class Session:
     shaped: bool = True
     candidates: list[Plan] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)  # rank 0's, from the control requests
-    chosen: dict[tuple[int, str], Plan] = field(default_factory=dict)  # HybridEP's plan per (point, system)
+    chosen: dict[tuple[int, str], Plan] = field(default_factory=dict)  # the plan per (point, system): HybridEP's,
+    #   and a layout system's (plain EP over a stage's ranks for pp; the layout planner's for auto)
+    layouts: dict[tuple[int, str], Layout] = field(default_factory=dict)  # pp's and auto's layout per point
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -120,11 +124,15 @@ class Session:
                 order["plans"] = [self.choose_plan(point, system).to_dict()]
             if system == COMPRESSED:
                 order["compression_ratio"] = self.cfg.compression_ratio
+            if system in LAYOUTS:
+                order.update(self.choose_layout(point, system))
             return order
         if op == "shape":
             assert self.current is not None
             self.set_shaped(True)
-            return {"measure": [0] if self.current[1].startswith("hybridep") else [None]}
+            hybrid = self.current[1].startswith("hybridep") or (self.current[1] == "auto"
+                                                                 and is_hybridep(self.chosen[self.current]))
+            return {"measure": [0] if hybrid else [None]}
         raise BenchError(f"control: unknown request {request!r} from the rank 0 worker")
 
     def topology(self, shaped: bool) -> Any:
@@ -138,7 +146,9 @@ class Session:
                  and e["point"] == point["index"])
         r = e["ranks"]
         calib = bp.Calibration(r["t_pre"], r["expert_fwd"], r["expert_rows"])
-        mode = {"micro_batches": self.cfg.micro_batches, "hold_copies": self.cfg.hold_copies}
+        dense = next((m["dense_params"] for m in events if m["event"] == "model" and m["system"] == "ep"), None)
+        mode = {"micro_batches": self.cfg.micro_batches, "hold_copies": self.cfg.hold_copies,
+                "overlap_grad_reduce": self.cfg.overlap_grad_reduce, "dense_params": dense}
         if system != COMPRESSED:
             return calib.workload(self.cfg.model, point["tokens"], point["seq"], **mode)
         sync = next((m.get("shared_sync_bytes_per_layer", 0.0) for m in events if m["event"] == "model"
@@ -154,3 +164,23 @@ class Session:
         self.info["chosen"][f"{point} {system}"] = plan.label
         self.info["planner_best"][f"{point} {system}"] = result.best.label
         return plan
+
+    def choose_layout(self, point: int, system: str) -> dict[str, Any]:
+        """A layout system's order fields: its stages, EP size, micro-batches, dispatcher and plan.
+        pp: one stage per DC, alltoall EP inside it; auto: the layout planner's choice from EP's
+        calibration of this point (HybridEP's dispatcher where its plan needs it)."""
+        shaped = self.topology(shaped=True)
+        if system == "pp":
+            layout = bp.pp_layout(self.cfg.dcs, self.cfg.ranks_per_dc, self.cfg.micro_batches)
+            plan = bp.stage_plan(shaped, layout.pp, layout.ep, self.cfg.model.num_experts)
+        else:
+            choice = bp.choose_layout(shaped, self.workload(self.cfg.points[point], self.events))
+            layout, plan = choice.layout, dataclasses.replace(choice.best.plan, predicted={}, link_bytes={})
+        self.layouts[(point, system)], self.chosen[(point, system)] = layout, plan
+        self.info.setdefault("layouts", {})[f"{point} {system}"] = {"layout": dataclasses.asdict(layout),
+                                                                     "plan": plan.to_dict()}
+        hybrid = is_hybridep(plan)
+        name = f"PP{layout.pp} EP{layout.ep}" + (f" {plan.label}" if hybrid else "")
+        return {"layout": {"pp": layout.pp, "ep": layout.ep, "name": name},
+                "micro_batches": layout.micro_batches, "dispatcher": "hybridep" if hybrid else "alltoall",
+                **({"plans": [plan.to_dict()]} if hybrid else {})}

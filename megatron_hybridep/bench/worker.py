@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -176,16 +177,23 @@ class Worker:
                      median_s=statistics.median(times), link=[c for c in links if c is not None])
 
     # ---- one system -----------------------------------------------------------------------------
-    def _args(self, system: str) -> Any:
+    def _args(self, order: dict[str, Any]) -> Any:
+        """GPTMoEArgs of the ordered system: ep / hybridep* over every rank, replicated over a DC's
+        ranks, pp / auto in the order's layout (stages outermost, as Megatron orders ranks)."""
         from megatron_hybridep.train.gpt import GPTMoEArgs
 
-        model = dict(self.spec["model"])
+        system = order["system"]
+        model = {**self.spec["model"], "overlap_grad_reduce": self.spec.get("overlap_grad_reduce", False)}
         if system == "ep":
             return GPTMoEArgs(**model, dispatcher="alltoall", expert_model_parallel_size=self.world)
         if system == "replicated":  # EP inside each DC (contiguous rank blocks), experts replicated across DCs
             return GPTMoEArgs(**model, dispatcher="alltoall", expert_model_parallel_size=self.ranks_per_dc)
         if system in ("hybridep", "hybridep-compressed"):
             return GPTMoEArgs(**model, dispatcher="hybridep", expert_model_parallel_size=self.world)
+        if system in ("pp", "auto"):
+            lay = order["layout"]
+            return GPTMoEArgs(**model, dispatcher=order["dispatcher"], expert_model_parallel_size=lay["ep"],
+                              pipeline_model_parallel_size=lay["pp"])
         raise ValueError(f"unknown system {system!r}")
 
     def run_system(self, order: dict[str, Any]) -> None:
@@ -197,12 +205,12 @@ class Worker:
         from megatron_hybridep.train.gpt import build, initialize_parallel
 
         system, point = order["system"], order["point"]
-        args = self._args(system)
+        args = self._args(order)
         t0 = time.perf_counter()
         initialize_parallel(args)
         runtime = None
         migration, sync_bytes = None, 0.0
-        if system.startswith("hybridep"):
+        if args.dispatcher == "hybridep":
             plans = [Plan.from_dict(p) for p in order["plans"]]
             if order.get("compression_ratio"):
                 migration, sync_bytes = self._migration(order["compression_ratio"])
@@ -229,7 +237,8 @@ class Worker:
             emit("model", system=system, point=point["index"], dense_params=dense, expert_params_per_rank=experts,
                  expert_share=experts * args.expert_model_parallel_size
                  / (dense + experts * args.expert_model_parallel_size),  # of the model's parameters
-                 ep_size=args.expert_model_parallel_size, build_s=time.perf_counter() - t0,
+                 ep_size=args.expert_model_parallel_size, pp_size=args.pipeline_model_parallel_size,
+                 build_s=time.perf_counter() - t0,
                  compression_ratio=migration.compression_ratio if migration else 1.0,
                  shared_sync_bytes_per_layer=sync_bytes)
         indices = list(range(len(order["plans"]))) if runtime is not None else [None]
@@ -237,12 +246,12 @@ class Worker:
             if phase == "measure":
                 indices = self.ask({"op": "shape"})["measure"]
             for plan_index in indices:
-                label = system
+                label = order["layout"]["name"] if "layout" in order else system
                 if runtime is not None:
                     runtime.switch(plan_index)
-                    label = runtime.plan.label
+                    label = label if "layout" in order else runtime.plan.label
                 self.run_point(phase, system, label, plan_index, point, state, timer, stats,
-                               order["warmup"], order["iters"])
+                               order["warmup"], order["iters"], order.get("micro_batches"))
         if runtime is not None:
             teardown()
         del state
@@ -265,11 +274,13 @@ class Worker:
 
     # ---- one point ------------------------------------------------------------------------------
     def run_point(self, phase: str, system: str, label: str, plan_index: int | None, point: dict[str, Any],
-                  state: Any, timer: PhaseTimer, stats: Any, warmup: int, iters: int) -> None:
+                  state: Any, timer: PhaseTimer, stats: Any, warmup: int, iters: int, micro: int | None = None) -> None:
+        """``micro``: micro-batches per iteration (default the spec's; a layout with PP runs more, on
+        fewer data-parallel ranks: the same global batch)."""
         from megatron_hybridep.train.gpt import train_step
 
         mbs, seq = point["micro_batch"], point["seq"]
-        m = self.spec.get("micro_batches", 1)  # per iteration, each of mbs x seq tokens (Megatron's schedule)
+        m = micro or self.spec.get("micro_batches", 1)  # per iteration, each of mbs x seq tokens
         batches = [[self.corpus.batch(mbs, seq, self.rank, step * m + j) for j in range(m)]
                    for step in range(warmup + iters)]
         t0 = time.perf_counter()
@@ -302,9 +313,9 @@ class Worker:
         # a step's time is its slowest rank's (each rank: end of step i-1 to end of step i)
         steps = [max(e["rows"][i]["step_s"] for e in everyone) for i in range(iters)]
         per_rank = [e["rows"] for e in everyone]
-        for i, step in enumerate(steps):
-            emit("iter", phase=phase, system=system, plan=label, point=point["index"], iter=i, step_s=step,
-                 loss=per_rank[0][i]["loss"])
+        for i, step in enumerate(steps):  # the loss of the last pipeline stage (earlier ones have none)
+            loss = next((r[i]["loss"] for r in per_rank if math.isfinite(r[i]["loss"])), math.nan)
+            emit("iter", phase=phase, system=system, plan=label, point=point["index"], iter=i, step_s=step, loss=loss)
         emit("point", phase=phase, system=system, plan=label, plan_index=plan_index, point=point["index"],
              tokens=mbs * seq, micro_batch=mbs, micro_batches=m, seq=seq, iters=iters, step_s=steps,
              median_s=statistics.median(steps), warmup_s=warmup_s, loadavg=(load0, os.getloadavg()[0]), link=links,

@@ -86,22 +86,10 @@ def build_model(args: argparse.Namespace) -> tuple[list[Any], Any, Any, Any]:
     opt_config, overrides = get_megatron_optimizer_config(args)
     optimizer = get_megatron_optimizer(opt_config, chunks, config_overrides=overrides)
     scheduler = get_optimizer_param_scheduler(optimizer)
-    _sync_funcs(args, chunks, config)
+    gpt.set_overlap_hooks(config, chunks, grad_reduce=args.overlap_grad_reduce,
+                          align_grad_reduce=getattr(args, "align_grad_reduce", True),
+                          param_gather=args.overlap_param_gather and getattr(args, "align_param_gather", False))
     return chunks, optimizer, scheduler, config
-
-
-def _sync_funcs(args: argparse.Namespace, chunks: list[Any], config: Any) -> None:
-    """The schedule's hooks Megatron's train() sets for the overlap flags: under PP the schedule then
-    starts each chunk's gradient reduction itself, and (interleaved) its parameter all-gather."""
-    def one_or_list(fs: list[Any]) -> Any:
-        return fs[0] if len(fs) == 1 else fs
-
-    if args.overlap_grad_reduce:
-        config.no_sync_func = one_or_list([c.no_sync for c in chunks])
-        if getattr(args, "align_grad_reduce", True):
-            config.grad_sync_func = one_or_list([c.start_grad_sync for c in chunks])
-    if args.overlap_param_gather and getattr(args, "align_param_gather", False):
-        config.param_sync_func = one_or_list([c.start_param_sync for c in chunks])
 
 
 def plan_job(args: argparse.Namespace, world: int) -> PlanChoice | None:

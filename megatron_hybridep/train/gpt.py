@@ -33,6 +33,8 @@ class GPTMoEArgs:
     clip_grad: float = 1.0
     seed: int = 1234
     expert_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1  # Megatron's rank order: stages outermost
+    overlap_grad_reduce: bool = False      # Megatron DDP's --overlap-grad-reduce
     # torch.float64 for exactness tests: HybridEP vs alltoall then differ only by float64 rounding
     params_dtype: torch.dtype = torch.float32
     extra_config: dict[str, Any] = field(default_factory=dict)  # more TransformerConfig fields
@@ -54,7 +56,8 @@ def initialize_parallel(args: GPTMoEArgs) -> None:
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(expert_model_parallel_size=args.expert_model_parallel_size)
+    ps.initialize_model_parallel(expert_model_parallel_size=args.expert_model_parallel_size,
+                                 pipeline_model_parallel_size=args.pipeline_model_parallel_size)
     model_parallel_cuda_manual_seed(args.seed)
 
 
@@ -69,6 +72,7 @@ def transformer_config(args: GPTMoEArgs):  # noqa: ANN201 - TransformerConfig
         moe_token_dispatcher_type=args.dispatcher, moe_aux_loss_coeff=args.aux_loss_coeff,
         moe_router_load_balancing_type="aux_loss" if args.aux_loss_coeff else "none",
         expert_model_parallel_size=args.expert_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, pipeline_dtype=args.params_dtype,
         use_cpu_initialization=True, add_bias_linear=False, bf16=False, fp16=False,
         params_dtype=args.params_dtype, hidden_dropout=0.0, attention_dropout=0.0,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
@@ -87,10 +91,11 @@ def build(args: GPTMoEArgs) -> TrainState:
     spec = layer_spec(args.num_experts)
     # Reducing in fp32 would round float64 gradients; for fp32 params it changes nothing.
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.params_dtype != torch.float64,
-                                               overlap_grad_reduce=False,
+                                               overlap_grad_reduce=args.overlap_grad_reduce,
                                                use_distributed_optimizer=False)
     (model,) = build_chunks(config, spec, ddp_config, vocab_size=args.vocab_size,
                             max_sequence_length=args.seq_length, params_dtype=args.params_dtype)
+    set_overlap_hooks(config, [model], grad_reduce=args.overlap_grad_reduce)
     opt_config = OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
                                  clip_grad=args.clip_grad, bf16=False, fp16=False,
                                  use_distributed_optimizer=False)
@@ -150,6 +155,22 @@ def build_chunks(config: Any, spec: Any, ddp_config: Any, *, params_dtype: Any, 
         chunk.broadcast_params()
         chunks.append(chunk)
     return chunks
+
+
+def set_overlap_hooks(config: Any, chunks: list[Any], *, grad_reduce: bool, align_grad_reduce: bool = True,
+                      param_gather: bool = False) -> None:
+    """The schedule's hooks Megatron's train() sets for the overlap flags: under PP the schedule then
+    starts each chunk's gradient reduction itself, and (interleaved) its parameter all-gather.
+    ``param_gather``: --overlap-param-gather with --align-param-gather."""
+    def one_or_list(fs: list[Any]) -> Any:
+        return fs[0] if len(fs) == 1 else fs
+
+    if grad_reduce:
+        config.no_sync_func = one_or_list([c.no_sync for c in chunks])
+        if align_grad_reduce:
+            config.grad_sync_func = one_or_list([c.start_grad_sync for c in chunks])
+    if param_gather:
+        config.param_sync_func = one_or_list([c.start_param_sync for c in chunks])
 
 
 @contextlib.contextmanager

@@ -49,3 +49,20 @@ def test_log_axis_labels_do_not_overlap(xlim, ylim):
         for i, a in enumerate(boxes):
             assert not any(a.overlaps(b) for b in boxes[i + 1:])
     plt.close(fig)
+
+
+def _timed(system: str, point: int, median_s: float) -> br.Row:
+    return dataclasses.replace(_row(system), point=point, median_s=median_s)
+
+
+def test_layout_targets_compare_with_the_best_megatron_layout_per_point():
+    """HybridEP and auto are held against the fastest of ep, replicated and pp at each point (not EP
+    alone), and auto must be within 5% of the fastest other system."""
+    rows = [_timed("ep", 0, 10.0), _timed("pp", 0, 2.0), _timed("hybridep", 0, 4.0), _timed("auto", 0, 1.9),
+            _timed("ep", 1, 20.0), _timed("pp", 1, 6.0), _timed("hybridep", 1, 5.0), _timed("auto", 1, 5.5)]
+    checks = {c.name: c for c in br.layout_targets(rows)}
+    hyb = checks["HybridEP vs the best Megatron layout measured"]
+    assert not hyb.ok and "1/2" in hyb.detail and "0.50x vs PP per DC" in hyb.detail
+    assert checks["auto layout vs the best Megatron layout measured"].ok
+    near = checks["auto layout within 5% of the fastest other system at every point"]
+    assert not near.ok and near.detail.startswith("1/2")  # point 1: 5.5 s against HybridEP's 5.0 s
