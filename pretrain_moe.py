@@ -36,12 +36,11 @@ def _with_layout(argv: list[str], world: int, announce: bool) -> list[str]:
     args = _args(argv)
     if getattr(args, "hybridep_layout", "off") != "auto":
         return argv
-    import torch
 
     from megatron_hybridep.train.planning import LAYOUT_FLAGS, choose_layout
 
     fixed = [f for f in LAYOUT_FLAGS if any(a == f or a.startswith(f + "=") for a in argv)]
-    flags, report = choose_layout(args, world, fixed, cpu=not torch.cuda.is_available())
+    flags, report = choose_layout(args, world, fixed)
     if announce:
         print(report, flush=True)
     return [*argv, *flags, "--hybridep-layout", "off"] if flags else argv
@@ -131,8 +130,10 @@ def preflight(args, world: int) -> None:  # noqa: ANN001
     import io
     import logging
 
+    from megatron_hybridep.megatron import cpu_runtime
     from megatron_hybridep.train import cpu_loop
 
+    cpu_runtime.enable()  # as the ranks run: under TP, validate_args asks CUDA for the device's arch
     trial = copy.deepcopy(args)
     trial.world_size, trial.rank = world, 0
     quiet = io.StringIO()

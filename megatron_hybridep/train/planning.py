@@ -177,10 +177,10 @@ def choose(args: argparse.Namespace, world_size: int) -> PlanChoice:
 LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size")
 
 
-def choose_layout(args: argparse.Namespace, world_size: int, fixed: list[str], cpu: bool) -> tuple[list[str], str]:
+def choose_layout(args: argparse.Namespace, world_size: int, fixed: list[str]) -> tuple[list[str], str]:
     """--hybridep-layout auto: (the flags of the layout planner's choice, or [] when the command line
     fixes one of ``LAYOUT_FLAGS``; a report to print). The workload is the job's at TP 1 x PP 1 with
-    the same global batch (plan/layout.py). ``cpu``: the CPU loop runs no TP through this path."""
+    the same global batch (plan/layout.py)."""
     from megatron_hybridep.plan.cost import seconds_human
     from megatron_hybridep.plan.layout import format_layouts, plan_layouts
 
@@ -190,16 +190,13 @@ def choose_layout(args: argparse.Namespace, world_size: int, fixed: list[str], c
     w = w.replace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                   micro_batches=max(1, w.micro_batches // split))
     results = plan_layouts(topology, w)
-    runnable = [r for r in results if r.fits and not (cpu and r.layout.tp > 1)]
+    runnable = [r for r in results if r.fits]
     if not runnable:
         raise PlanError("--hybridep-layout auto: no layout fits this job; fix: drop --hybridep-layout or "
                         "change the model or topology (hybridep plan --layout auto shows why)")
     choice = runnable[0]
     lines = [f"[layout] {topology.describe()}, same global batch for every layout (hybridep plan --layout auto)",
              format_layouts(results, top=5)]
-    if choice is not results[0]:
-        lines.append(f"[layout] {results[0].layout.label} needs tensor parallelism, which the CPU loop does not "
-                     f"run through pretrain_moe.py; taking {choice.layout.label}")
     flags = choice.layout.flags().split()
     if fixed:
         lines.append(f"[layout] {', '.join(fixed)} fixed on the command line: keeping your layout; the planner's "

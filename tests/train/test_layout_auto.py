@@ -28,7 +28,7 @@ def test_auto_appends_the_planners_layout_and_the_job_parses_it(capsys):
     args = pretrain_moe._args(final)
     assert (args.pipeline_model_parallel_size, args.expert_model_parallel_size) == (
         chosen["--pipeline-model-parallel-size"], chosen["--expert-model-parallel-size"])
-    assert args.tensor_model_parallel_size == 1  # the CPU loop runs no TP through this path
+    assert args.tensor_model_parallel_size == chosen.get("--tensor-model-parallel-size", 1)
     assert _layout(final) == final  # idempotent: the ranks see the final flags
 
 
@@ -38,6 +38,19 @@ def test_a_layout_fixed_on_the_command_line_is_kept_and_the_choice_printed(fixed
     assert _layout(argv) == argv
     out = capsys.readouterr().out
     assert f"{fixed} fixed on the command line: keeping your layout; the planner's choice would be" in out
+
+
+def test_tensor_parallel_layouts_pass_the_cpu_preflight():
+    """TP + SP through pretrain_moe.py on CPU: Megatron's validate_args asks CUDA for the device's
+    architecture under TP; the parent's preflight runs with the CPU runtime as the ranks do (it
+    stopped with "Found no NVIDIA driver")."""
+    import pretrain_moe
+
+    for dispatcher in ("hybridep", "alltoall"):
+        args = pretrain_moe._args([*BASE, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                   "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                                   "--moe-token-dispatcher-type", dispatcher])
+        pretrain_moe.preflight(args, 4)
 
 
 def test_off_changes_nothing(capsys):
