@@ -1,0 +1,192 @@
+"""Time to the same loss on real text (issue 26, item 4): every system trains the same GPT-MoE on the
+prepared corpus through pretrain_moe.py on the testbed (one process per rank, the WAN shaped), and
+the report gives wall-clock time and steps to a target loss, the loss at equal steps, and
+loss-vs-wall-clock curves.
+
+    sudo python benchmarks/time_to_loss.py --rate 50 --iters 120 --out docs/results/time_to_loss/50mbit
+
+Systems (each with --overlap-grad-reduce, as a Megatron user runs it):
+- ep: alltoall EP over every rank;              - replicated: Megatron EP inside each DC;
+- hybridep: the planner's exact plan;           - hybridep-c: weights and returned gradients at
+- pp: one pipeline stage per DC, EP inside it;    --ratio (shared + top-k, top-k + error feedback);
+- auto: --hybridep-layout auto.
+The target is the loss alltoall EP reaches at its last iteration; every curve is a moving mean over
+--window logged iterations (one iteration's loss on one batch is noisy). ep, hybridep and
+hybridep-c start from the same initialisation (exact HybridEP reproduces EP); replicated, pp and
+auto lay the experts out differently, so Megatron's per-EP-rank RNG initialises their experts
+differently (same seed, same data order). Wall clock = the sum of the logged step times (start-up
+and the first --warmup iterations' extra time excluded). Systems alternate in a repeat, the order
+reversed every other repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from layout_vs_pp import MODEL, write_topology  # noqa: E402 - the same model and topology as issue 25's
+
+LINE = re.compile(r" iter +(\d+)/\d+ \| loss +([\d.]+|nan) \| step +([\d.]+) ms")
+
+
+def systems(dcs: int, world: int, ratio: float) -> dict[str, list[str]]:
+    pp = ["--pipeline-model-parallel-size", str(dcs), "--expert-model-parallel-size", str(world // dcs)]
+    comp = ["--hybridep-compression-ratio", f"{ratio:g}", "--hybridep-grad-compression-ratio", f"{ratio:g}"]
+    return {"ep": ["--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", str(world)],
+            "replicated": ["--hybridep-plan", "replicated", "--expert-model-parallel-size", str(world)],
+            "hybridep": ["--expert-model-parallel-size", str(world)],
+            "hybridep-c": ["--expert-model-parallel-size", str(world), *comp],
+            "pp": ["--moe-token-dispatcher-type", "alltoall", *pp],
+            "auto": ["--hybridep-layout", "auto"]}
+
+
+def parse_log(text: str) -> list[tuple[int, float, float]]:
+    """(iteration, loss, step seconds) of every logged iteration (--log-interval 1)."""
+    return [(int(i), float(loss), float(ms) / 1e3) for i, loss, ms in LINE.findall(text)]
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving mean (the first window - 1 points average what there is)."""
+    return [statistics.fmean(values[max(0, i + 1 - window):i + 1]) for i in range(len(values))]
+
+
+def to_target(rows: list[tuple[int, float, float]], target: float, window: int, warmup: int) -> dict:
+    """Steps and wall-clock seconds until the smoothed loss first reaches ``target`` (None: never)."""
+    losses = smooth([loss for _, loss, _ in rows], window)
+    steps = [s for _, _, s in rows]
+    typical = statistics.median(steps[warmup:]) if len(steps) > warmup else statistics.median(steps)
+    clock, elapsed = [], 0.0
+    for i, s in enumerate(steps):  # the warm-up's extra time (allocation, first gathers) is not training
+        elapsed += min(s, typical) if i < warmup else s
+        clock.append(elapsed)
+    hit = next((i for i, loss in enumerate(losses) if loss <= target), None)
+    return {"steps": rows[hit][0] if hit is not None else None, "seconds": clock[hit] if hit is not None else None,
+            "final": losses[-1], "clock": clock, "smoothed": losses, "median_step_s": typical}
+
+
+def run_one(tb, flags: list[str], args: argparse.Namespace, topology: Path) -> list[tuple[int, float, float]]:  # noqa: ANN001
+    from megatron_hybridep.testbed.launcher import python_cmd
+
+    cmd = python_cmd(REPO / "pretrain_moe.py", *MODEL, "--global-batch-size", str(args.global_batch),
+                     "--train-iters", str(args.iters), "--lr-warmup-iters", str(max(1, args.iters // 20)),
+                     "--log-interval", "1", "--seed", str(args.seed), "--data-path", args.data_path,
+                     "--split", "100,0,0", "--hybridep-topology", topology, *flags)
+    result = tb.launch(cmd, timeout_s=args.timeout, cwd=REPO)
+    text = next((o for o in result.outputs if LINE.search(o)), result.outputs[0])
+    if not result.ok:
+        raise RuntimeError(f"run failed: {' '.join(map(str, cmd))}\n{result.outputs[0][-3000:]}")
+    rows = parse_log(text)
+    if len(rows) != args.iters:
+        raise RuntimeError(f"expected {args.iters} logged iterations, parsed {len(rows)}:\n{text[-2000:]}")
+    return rows
+
+
+def report(runs: dict[str, list[list[tuple[int, float, float]]]], args: argparse.Namespace) -> tuple[str, dict]:
+    """The table (medians over repeats) and its numbers. Target: EP's smoothed loss at its last step."""
+    ep_final = statistics.median(smooth([x[1] for x in r], args.window)[-1] for r in runs["ep"])
+    out: dict[str, dict] = {}
+    for name, reps in runs.items():
+        hits = [to_target(r, ep_final, args.window, args.warmup) for r in reps]
+        secs = [h["seconds"] for h in hits if h["seconds"] is not None]
+        steps = [h["steps"] for h in hits if h["steps"] is not None]
+        finals = [h["final"] for h in hits]
+        out[name] = {"reached": f"{len(secs)}/{len(hits)}", "seconds": statistics.median(secs) if secs else None,
+                     "steps": statistics.median(steps) if steps else None, "final": statistics.median(finals),
+                     "final_vs_ep_pct": (statistics.median(finals) / ep_final - 1) * 100,
+                     "step_s": statistics.median(h["median_step_s"] for h in hits), "runs": hits}
+    ep_s = out["ep"]["seconds"]
+    lines = [f"{args.dcs} DCs x {args.ranks_per_dc} ranks at {args.rate:g} Mbit/s per DC uplink, {args.iters} "
+             f"iterations, global batch {args.global_batch}, corpus {args.data_path}, seed {args.seed}, "
+             f"{args.repeats} repeat(s); target = alltoall EP's loss at its last iteration ({ep_final:.4f}, "
+             f"mean of the last {args.window})", "",
+             "| system | median step s | steps to target | wall-clock s to target | vs EP | loss at equal steps "
+             "| vs EP |", "|---|---|---|---|---|---|---|"]
+    for name, o in out.items():
+        t = o["seconds"]
+        speed = f"{ep_s / t:.2f}x" if t and ep_s else "-"
+        lines.append(f"| {name} | {o['step_s']:.2f} | {o['steps'] if o['steps'] is not None else 'not reached'} "
+                     f"| {f'{t:.1f}' if t is not None else '-'} | {speed} | {o['final']:.4f} | "
+                     f"{o['final_vs_ep_pct']:+.2f}% |")
+    return "\n".join(lines), {"target": ep_final, "systems": out}
+
+
+def plot(numbers: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, o in numbers["systems"].items():
+        run = o["runs"][0]
+        ax.plot(run["clock"], run["smoothed"], label=name)
+    ax.axhline(numbers["target"], color="grey", ls=":", label="target (EP's last)")
+    ax.set(xlabel="wall-clock training time (s)", ylabel="loss (moving mean)", title=title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dcs", type=int, default=2)
+    p.add_argument("--ranks-per-dc", type=int, default=2)
+    p.add_argument("--rate", type=float, default=50.0, help="Mbit/s per DC uplink")
+    p.add_argument("--intra-gbps", type=float, default=2.0, help="what the planner assumes for loopback inside a DC")
+    p.add_argument("--global-batch", type=int, default=64, help="4 micro-batches of 4 at PP 1 on 2 x 2")
+    p.add_argument("--iters", type=int, default=120)
+    p.add_argument("--warmup", type=int, default=2, help="iterations whose extra time is not counted")
+    p.add_argument("--window", type=int, default=10, help="logged iterations in the loss's moving mean")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--ratio", type=float, default=50.0, help="hybridep-c's weight and gradient compression ratio")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--systems", default="ep,replicated,hybridep,hybridep-c,pp,auto")
+    p.add_argument("--data-path", default=None, help="indexed-dataset prefix (default: scripts/prepare_corpus's)")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--out", default=None, help="folder for results.md, results.json and loss_vs_time.png")
+    args = p.parse_args(argv)
+    if args.data_path is None:
+        from megatron_hybridep.data import austen
+        from megatron_hybridep.data.prepare import default_prefix, prepare_corpus
+
+        prepare_corpus()  # idempotent: "up to date" when already prepared
+        args.data_path = default_prefix(None, austen.default_cache())
+    world = args.dcs * args.ranks_per_dc
+    table = {k: v for k, v in systems(args.dcs, world, args.ratio).items() if k in args.systems.split(",")}
+    if "ep" not in table:
+        p.error("--systems: the target is alltoall EP's loss; fix: keep ep in the list")
+    out = Path(args.out) if args.out else Path.cwd()
+    out.mkdir(parents=True, exist_ok=True)
+    topology = write_topology(out / "topology.yaml", args.dcs, args.ranks_per_dc, args.rate, args.intra_gbps)
+    print("# " + " ".join([sys.executable, *sys.argv]), flush=True)
+    from megatron_hybridep.testbed import Testbed, TestbedConfig
+
+    runs: dict[str, list] = {s: [] for s in table}
+    with Testbed(TestbedConfig(dcs=args.dcs, ranks_per_dc=args.ranks_per_dc, rate_mbit=args.rate)) as tb:
+        for r in range(args.repeats):
+            for s in (list(table) if r % 2 == 0 else list(table)[::-1]):
+                runs[s].append(run_one(tb, table[s], args, topology))
+                last = runs[s][-1]
+                print(f"repeat {r} {s:11s} final loss {last[-1][1]:.4f}, median step "
+                      f"{statistics.median(x[2] for x in last):.2f} s", flush=True)
+    text, numbers = report(runs, args)
+    print("\n" + text)
+    (out / "results.md").write_text(text + "\n\ncommand: " + " ".join(sys.argv) + "\n")
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "runs": runs, "target": numbers["target"]},
+                                                 indent=1))
+    plot(numbers, out / "loss_vs_time.png", f"{args.dcs} DCs x {args.ranks_per_dc} at {args.rate:g} Mbit/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

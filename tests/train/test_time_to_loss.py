@@ -1,0 +1,44 @@
+"""benchmarks/time_to_loss.py's arithmetic (no testbed): the log it parses, the target and the
+wall clock it counts."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def ttl():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "time_to_loss.py"
+    spec = importlib.util.spec_from_file_location("time_to_loss", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _line(i: int, loss: float, ms: float) -> str:  # train/reporting.py's per-iteration line
+    return (f" iter {i:5d}/6 | loss {loss:7.4f} | step {ms:7.1f} ms | {1000:9.0f} tok/s | lr 3.00e-04 | "
+            f"grad-norm {0.5:6.3f} | inter-DC 8.39 MB/iter | exposed comm {1.0:6.1f} ms | plan ep (S=1)")
+
+
+def test_steps_and_seconds_to_the_target(ttl):
+    log = "\n".join(_line(i, loss, ms) for i, loss, ms in
+                    ((1, 5.0, 9000.0), (2, 4.0, 1000.0), (3, 3.0, 1000.0), (4, 2.0, 1200.0), (5, 1.0, 1000.0)))
+    rows = ttl.parse_log(log)
+    assert rows[0] == (1, 5.0, 9.0) and len(rows) == 5
+    assert ttl.smooth([4.0, 2.0, 0.0], 2) == [4.0, 3.0, 1.0]
+    hit = ttl.to_target(rows, target=2.5, window=2, warmup=1)
+    # smoothed: 5, 4.5, 3.5, 2.5, 1.5 -> iteration 4; the first step counts as a typical one (1 s)
+    assert hit["steps"] == 4 and hit["seconds"] == pytest.approx(1.0 + 1.0 + 1.0 + 1.2)
+    assert hit["final"] == 1.5
+    assert ttl.to_target(rows, target=0.5, window=2, warmup=1)["steps"] is None  # never reached
+
+
+def test_every_system_trains_with_the_overlap_flag_and_the_same_data(ttl):
+    table = ttl.systems(2, 4, 50.0)
+    assert set(table) == {"ep", "replicated", "hybridep", "hybridep-c", "pp", "auto"}
+    assert "--overlap-grad-reduce" in ttl.MODEL
+    assert table["hybridep-c"][-4:] == ["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio",
+                                        "50"]
+    assert table["pp"][:2] == ["--moe-token-dispatcher-type", "alltoall"] and "--pipeline-model-parallel-size" in \
+        table["pp"]
