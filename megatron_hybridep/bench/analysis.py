@@ -172,7 +172,8 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
                                                                 ("unshaped_wan_mbit", "intra_mbit")},
         "dense_params": dense_params,
         "hybridep_plans": session.info["chosen"], "planner_best_overall": session.info["planner_best"],
-        "layouts": session.info.get("layouts", {}), "overlap_grad_reduce": cfg.overlap_grad_reduce,  # pp's and auto's layout and stage plan per "point system"
+        "layouts": session.info.get("layouts", {}),  # pp's and auto's layout and stage plan per "point system"
+        "overlap_grad_reduce": cfg.overlap_grad_reduce,
         "targets": [c.__dict__ for c in checks],
         "link_counters_check_mb": {"timed_windows": window, "shaped_segments": total},
         "all_to_all_probe": probe,

@@ -13,7 +13,8 @@ How a prediction is made (per system, plan and point):
   tier b: the runtime's schedule; token all-to-alls, gathers hidden behind T_pre where they fit,
   blocking gradient return, shared-expert refresh, expert- and dense-data-parallel all-reduces,
   overlapped under overlap_grad_reduce; pipeline sends for a layout with PP). Without the model's
-  dense parameter count the dense all-reduce is priced as a blocking ring over every rank. Links run at the TCP goodput of the rate (selfcheck.TCP_GOODPUT_FRACTION).
+  dense parameter count the dense all-reduce is priced as a blocking ring over every rank. Links
+  run at the TCP goodput of the rate (selfcheck.TCP_GOODPUT_FRACTION).
 - Calibration, stated as such: the shaped token all-to-alls are divided by the share of the rate a
   bare gloo all-to-all of EP's size got on the shaped WAN (the bench's probe, per point). gloo
   exchanges both directions of a pair on one TCP connection, which gets less than the one-way

@@ -13,6 +13,8 @@ Beyond the paper's stream model (paper_model.py) it counts, per MoE layer and mi
 - the gradient return of borrowed experts to their owners, blocking, in the backward
   (runtime/migration.py: a reduce-scatter ring, or an all-to-all of the chunks when gradients are
   compressed (top-k payloads) or the backend is gloo, whose reduce-scatter would send twice the bytes);
+  with ``async_grad_return`` (--hybridep-async-grad-return) overlapped with the rest of the backward
+  (:func:`grad_return_exposed`);
 - how often those two run is the borrowed-copies mode (``Workload.borrowed_copies``, the runtime's
   --hybridep-borrowed-copies): "iteration" gathers in the first micro-batch only, keeps the copies
   for the iteration and returns the accumulated gradients once, in the last micro-batch's backward;
@@ -325,7 +327,7 @@ class CostModel:
             Phase.TOKEN_A2A_FWD: 2 * a2a_total * m,
             Phase.TOKEN_A2A_BWD: 2 * a2a_total * m,
             Phase.EXPERT_ALLGATHER: gathers,
-            Phase.GRAD_RETURN: Lm * mg * rs.seconds,
+            Phase.GRAD_RETURN: grad_return_exposed(w, rs.seconds, mg, b),
             Phase.SHARED_SYNC: Lm * shared.seconds,
             Phase.DENSE_GRAD_ALLREDUCE: dense_s,
             Phase.EXPERT_GRAD_ALLREDUCE: expert_s,
@@ -368,6 +370,19 @@ class CostModel:
             notes.append(f"borrowed copies: {why}")
         return CostBreakdown("ours", sum(phases.values()), phases, raw, tuple(levels),
                              self.memory(plan, lay, mode), tuple(notes), mode, why)
+
+
+def grad_return_exposed(w: Workload, one: float, returns: int, bwd: float) -> float:
+    """Exposed seconds of the borrowed experts' gradient returns: ``one`` layer's return, ``returns``
+    times per MoE layer (once per iteration, or per micro-batch). Blocking, each is waited for in its
+    layer's backward. With async_grad_return a layer's return is launched there and overlaps the
+    backward of the layers below it ((Lm - 1) / Lm of one micro-batch's ``bwd`` on the stage); the
+    returns queue on the link one after another, and what is left is waited for at the end."""
+    Lm = w.stage_moe_layers
+    total = Lm * returns * one
+    if not w.async_grad_return or total <= 0:
+        return total
+    return returns * max(0.0, Lm * one - (Lm - 1) / Lm * bwd)
 
 
 def data_parallel_exposed(w: Workload, dense: float, expert: float, fwd: float, bwd: float) -> tuple[float, float]:

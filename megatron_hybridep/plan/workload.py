@@ -56,6 +56,8 @@ class Workload:
     data_parallel_size: int = 0              # dense DP (0 = world / (TP x PP)); checked against it
     vocab_size: int = 0                      # embedding rows (input + output, untied), counted as dense params
     dense_params: int | None = None          # all non-expert params (None = estimated from the shape)
+    async_grad_return: bool = False          # --hybridep-async-grad-return: a layer's borrowed gradients return while
+    #   the backward of the layers below it runs (the last micro-batch's, where they are returned)
     borrowed_copies: str = "auto"            # "iteration": gather borrowed experts once per step and return their
     #   gradients once; "microbatch": both in every micro-batch; "auto": iteration when its held memory fits
     backend: str = "nccl"                    # torch.distributed backend of the collectives: under gloo an exact

@@ -74,6 +74,7 @@ def workload_for(args: argparse.Namespace) -> Workload:
     return w.replace(compression_ratio=args.hybridep_compression_ratio,
                      grad_compression_ratio=args.hybridep_grad_compression_ratio,
                      borrowed_copies=getattr(args, "hybridep_borrowed_copies", None) or "auto",
+                     async_grad_return=bool(getattr(args, "hybridep_async_grad_return", False)),
                      backend="gloo" if getattr(args, "distributed_backend", "nccl") == "gloo" else "nccl")
 
 

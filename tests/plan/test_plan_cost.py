@@ -326,6 +326,21 @@ def test_gradient_traffic_is_exposed_as_the_runtime_blocks_on_it():
     assert rep.phases["expert_grad_allreduce"] == rep.raw["expert_grad_allreduce"]
 
 
+def test_async_gradient_return_hides_behind_the_backward_of_the_layers_below():
+    """--hybridep-async-grad-return: each layer's return is launched in its backward and waited for at
+    the end; the backward of the layers below covers (Lm - 1) / Lm of one micro-batch's backward."""
+    topo = paper_topo(2, 8)
+    plan = Plan.grid((2, 8), (2, 1), 32)
+    blocking = CostModel(topo, workload(num_experts=32)).evaluate(plan)
+    w = workload(num_experts=32, async_grad_return=True)
+    hidden = CostModel(topo, w).evaluate(plan)
+    one, Lm = blocking.raw["grad_return"], w.stage_moe_layers
+    bwd = hidden.raw["t_pre"] * Lm * 2 + 2 * hidden.raw["expert_fwd"] * Lm + 2 * hidden.raw["a2a"] * Lm
+    assert hidden.phases["grad_return"] == pytest.approx(max(0.0, Lm * one - (Lm - 1) / Lm * bwd))
+    assert hidden.phases["grad_return"] < blocking.phases["grad_return"]
+    assert blocking.phases["grad_return"] == pytest.approx(Lm * one)  # blocking: every return waited for
+
+
 def test_gloo_returns_gradients_by_all_to_all_as_the_runtime_does():
     """runtime/migration.py on gloo sends each chunk to its owner (all_to_all_single): a 4-rank domain
     over 2 DCs puts 2 ranks x 2 remote chunks through each DC uplink, a ring 3 chunks (its two WAN
