@@ -35,7 +35,7 @@ from megatron_hybridep.plan.layout import Layout, LayoutResult
 from megatron_hybridep.plan.network import Family
 from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.plan.plan import Plan
-from megatron_hybridep.plan.planner import PlanningResult, choose_plan, evaluate_plan
+from megatron_hybridep.plan.planner import PlanningResult, choose_plan
 from megatron_hybridep.plan.topology import Level, Topology
 from megatron_hybridep.plan.workload import Workload
 
@@ -214,7 +214,7 @@ def network_time(topology: Topology, workload: Workload, plan: Plan, dense_param
     if not a2a_efficiency > 0 or not steady_efficiency > 0:
         raise PlanError(f"a2a_efficiency/steady_efficiency: must be > 0, got {a2a_efficiency!r}/{steady_efficiency!r}")
     cost = CostModel(topology, workload)
-    cb = evaluate_plan(cost, plan)  # with a plan's hot replicas (plan/hot.py)
+    cb = cost.evaluate(plan)  # with a plan's hot replicas (plan/hot.py)
     ph = cb.phases
     seconds = {p: ph[p] for p in PHASES if p in ph}
     seconds[Phase.TOKEN_A2A] = (ph[Phase.TOKEN_A2A_FWD] + ph[Phase.TOKEN_A2A_BWD]) / a2a_efficiency

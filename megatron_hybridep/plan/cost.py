@@ -46,6 +46,7 @@ time: every candidate pays it alike.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +63,7 @@ from megatron_hybridep.plan.network import (
     replica_family,
     world_domain_sizes,
 )
-from megatron_hybridep.plan.phases import EXPOSED, Phase
+from megatron_hybridep.plan.phases import EXPOSED, REPLICA, Phase
 from megatron_hybridep.plan.pipeline import Sends, boundary_sends, schedule_time
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import EPLayout, Topology
@@ -276,6 +277,11 @@ class CostModel:
 
     # ---- one plan ----------------------------------------------------------------------------------------
     def evaluate(self, plan: Plan) -> CostBreakdown:
+        """The plan's iteration time by phase, its bytes per link level and its memory; with hot
+        replicas (plan/hot.py) the replica exchange too: the one entry that prices a plan."""
+        return _with_replicas(self, plan) if plan.replicas else self._evaluate(plan)
+
+    def _evaluate(self, plan: Plan) -> CostBreakdown:
         w, net = self.workload, self.network
         lay = self._layout_for(plan)
         G, S, E = plan.ep_size, plan.domain_size, plan.num_experts
@@ -447,3 +453,40 @@ def check_plan(topology: Topology, workload: Workload, plan: Plan, layout: EPLay
         raise PlanError(f"plan.num_experts: {plan.num_experts} but the model has {workload.num_experts}; "
                         "fix: make the plan for this model")
     return lay
+
+
+def _with_replicas(model: CostModel, plan: Plan) -> CostBreakdown:
+    """The breakdown plus the replica exchange of a plan with hot replicas (plan/hot.py). Token traffic and
+    expert load already follow ``plan.compute_ranks()`` (replica-aware) when routing counts are
+    given; balanced routing is spelled out as counts so they do. The exchange is exact, once per
+    micro-batch and layer (once per iteration when borrowed copies are kept for it: replicas start
+    with the gather, runtime start_gather): weights owner -> replica prefetched like the domain gather (hidden behind
+    what T_pre has left after it), the gradient back blocking in the backward pass."""
+    w, G, E = model.workload, plan.ep_size, plan.num_experts
+    if w.routing_for(G) is None:
+        model = CostModel(model.world, w.replace(routing_counts=np.full((G, E), w.tokens * w.top_k / E)))
+    c = model._evaluate(plan)
+    lay = model.layout(G)
+    experts, dst = (np.array(x, dtype=np.int64) for x in zip(*plan.replicas.pairs, strict=True))
+    owners = experts // plan.experts_per_rank
+    ones = np.ones(len(experts))
+    fwd = model.network.flows(lay, owners, dst, ones * w.expert_bytes)
+    bwd = model.network.flows(lay, dst, owners, ones * w.expert_params * w.grad_bytes)
+    count = w.stage_moe_layers * (1 if c.borrowed_copies == "iteration" else w.micro_batches)  # gather's rhythm
+    hide = max(0.0, w.t_pre - c.raw[Phase.EXPERT_ALLGATHER])  # prefetched like the gather, behind what T_pre has left
+    phases = {**c.phases, Phase.REPLICA_WEIGHTS: count * max(0.0, fwd.seconds - hide),
+              Phase.REPLICA_GRAD_RETURN: count * bwd.seconds}
+    raw = {**c.raw, Phase.REPLICA_WEIGHTS: fwd.seconds, Phase.REPLICA_GRAD_RETURN: bwd.seconds}
+    levels = tuple(LevelBreakdown(
+        lv.name, lv.link_bytes + count * (fwd.pair_bytes[i] + bwd.pair_bytes[i]),
+        lv.uplink_bytes + count * (fwd.uplink_bytes[i] + bwd.uplink_bytes[i]),
+        {**lv.seconds, **{k: count * p.level_seconds[i] for k, p in zip(REPLICA, (fwd, bwd), strict=True)
+                          if p.level_seconds[i] > 0}}) for i, lv in enumerate(c.levels))
+    memory = c.memory
+    if memory is not None:
+        n = max(plan.replicas.per_rank().values()) * w.expert_params * w.stage_moe_layers
+        memory = dataclasses.replace(memory, borrowed_weights=memory.borrowed_weights + n * w.weight_bytes,
+                                     borrowed_grads=memory.borrowed_grads + n * w.grad_bytes)
+    notes = c.notes + (f"{len(plan.replicas)} hot-expert replicas: exact weights, exchanged per micro-batch",)
+    return CostBreakdown(c.model, sum(phases.values()), phases, raw, levels, memory, notes, c.borrowed_copies,
+                         c.borrowed_reason)

@@ -6,21 +6,20 @@ tokens stop crossing the link to the expert's compute rank (dispatch + combine, 
 backward), and the rank pays for the expert's weights (exact) and the return of its gradient, once
 per micro-batch. ``place_replicas`` is the placement (a pure function, loads -> pairs, like
 DeepSeek's EPLB); ``hot_plan`` prices it per link, then checks prefixes with the full cost model
-(``evaluate``, which adds the replica exchange to cost.py's breakdown); the planner adds the result
+(``CostModel.evaluate``, which prices the replica exchange); the planner adds the result
 as a candidate when routing counts are known.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_hybridep.plan.cost import CostBreakdown, CostModel, LevelBreakdown, bytes_human, seconds_human
+from megatron_hybridep.plan.cost import CostBreakdown, CostModel, bytes_human, seconds_human
 from megatron_hybridep.plan.grid import coord_array
-from megatron_hybridep.plan.phases import REPLICA, Phase
+from megatron_hybridep.plan.phases import REPLICA
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import EPLayout
 
@@ -107,48 +106,9 @@ def replica_prices(model: CostModel, base: Plan) -> ReplicaPrices | None:
     m_rep = 1 if model.borrowed_copies(base)[0] == "iteration" else m  # replicas follow the gather's rhythm
     token_seconds = 4 * m * w.token_bytes * tok_pb            # dispatch + combine, forward + backward
     ship = w.expert_bytes + w.expert_params * w.grad_bytes    # exact weights out, exact gradient back
-    replica_seconds = m_rep * (ship * rep_pb + 2 * rep_lat)  # per-link view: hiding is left to evaluate()
+    replica_seconds = m_rep * (ship * rep_pb + 2 * rep_lat)  # per-link view: hiding is left to CostModel.evaluate
     return ReplicaPrices(loads, holds, token_seconds.reshape(G, E), replica_seconds.reshape(G, E),
                          tok_level.reshape(G, E))
-
-
-# ---- the cost of a plan with replicas ---------------------------------------------------------------
-def evaluate(model: CostModel, plan: Plan) -> CostBreakdown:
-    """cost.py's breakdown, plus the replica exchange for plans with replicas. Token traffic and
-    expert load already follow ``plan.compute_ranks()`` (replica-aware) when routing counts are
-    given; balanced routing is spelled out as counts so they do. The exchange is exact, once per
-    micro-batch and layer (once per iteration when borrowed copies are kept for it: replicas start
-    with the gather, runtime start_gather): weights owner -> replica prefetched like the domain gather (hidden behind
-    what T_pre has left after it), the gradient back blocking in the backward pass."""
-    if not plan.replicas:
-        return model.evaluate(plan)
-    w, G, E = model.workload, plan.ep_size, plan.num_experts
-    if w.routing_for(G) is None:
-        model = CostModel(model.world, w.replace(routing_counts=np.full((G, E), w.tokens * w.top_k / E)))
-    c = model.evaluate(plan)
-    lay = model.layout(G)
-    experts, dst = (np.array(x, dtype=np.int64) for x in zip(*plan.replicas.pairs, strict=True))
-    owners = experts // plan.experts_per_rank
-    ones = np.ones(len(experts))
-    fwd = model.network.flows(lay, owners, dst, ones * w.expert_bytes)
-    bwd = model.network.flows(lay, dst, owners, ones * w.expert_params * w.grad_bytes)
-    count = w.stage_moe_layers * (1 if c.borrowed_copies == "iteration" else w.micro_batches)  # gather's rhythm
-    hide = max(0.0, w.t_pre - c.raw[Phase.EXPERT_ALLGATHER])  # prefetched like the gather, behind what T_pre has left
-    phases = {**c.phases, Phase.REPLICA_WEIGHTS: count * max(0.0, fwd.seconds - hide),
-              Phase.REPLICA_GRAD_RETURN: count * bwd.seconds}
-    raw = {**c.raw, Phase.REPLICA_WEIGHTS: fwd.seconds, Phase.REPLICA_GRAD_RETURN: bwd.seconds}
-    levels = tuple(LevelBreakdown(
-        lv.name, lv.link_bytes + count * (fwd.pair_bytes[i] + bwd.pair_bytes[i]),
-        lv.uplink_bytes + count * (fwd.uplink_bytes[i] + bwd.uplink_bytes[i]),
-        {**lv.seconds, **{k: count * p.level_seconds[i] for k, p in zip(REPLICA_PHASES, (fwd, bwd), strict=True)
-                          if p.level_seconds[i] > 0}}) for i, lv in enumerate(c.levels))
-    memory = c.memory
-    if memory is not None:
-        n = max(plan.replicas.per_rank().values()) * w.expert_params * w.stage_moe_layers
-        memory = dataclasses.replace(memory, borrowed_weights=memory.borrowed_weights + n * w.weight_bytes,
-                                     borrowed_grads=memory.borrowed_grads + n * w.grad_bytes)
-    notes = c.notes + (f"{len(plan.replicas)} hot-expert replicas: exact weights, exchanged per micro-batch",)
-    return CostBreakdown(c.model, sum(phases.values()), phases, raw, levels, memory, notes)
 
 
 def hot_plan(model: CostModel, base: Plan, max_per_rank: int | None = None) -> tuple[Plan, CostBreakdown] | None:
@@ -169,7 +129,7 @@ def hot_plan(model: CostModel, base: Plan, max_per_rank: int | None = None) -> t
     sizes = sorted({len(pairs), *(2 ** i for i in range(int(math.log2(len(pairs))) + 1))})
     for n in sizes:
         plan = base.with_replicas(pairs[:n], budget)
-        cost = evaluate(model, plan)
+        cost = model.evaluate(plan)
         if cost.total < best_cost.total:
             best, best_cost = plan, cost
     return None if best is None else (best, best_cost)

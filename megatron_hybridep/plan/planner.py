@@ -18,7 +18,6 @@ from typing import Any
 from megatron_hybridep.plan.cost import CostBreakdown, CostModel
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.grid import divisors
-from megatron_hybridep.plan.hot import evaluate as evaluate_plan
 from megatron_hybridep.plan.hot import hot_plan
 from megatron_hybridep.plan.paper_model import PaperModel, PaperResult
 from megatron_hybridep.plan.phases import Phase
@@ -118,7 +117,7 @@ def choose_plan(topology: Topology, workload: Workload, ep_size: int | None = No
         plans = with_hot_plans(ours, plans, replica_budget)
     cands = []
     for plan in plans:
-        c = evaluate_plan(ours, plan) if cost == "ours" else model.evaluate(plan)
+        c = model.evaluate(plan)
         mem = c.memory if c.memory is not None else ours.memory(plan, layout)
         fits = limit is None or mem.total <= limit
         if c.memory is None:
@@ -181,7 +180,7 @@ def replan(topology: Topology, workload: Workload, current: Plan, *, horizon_ite
             else with_hot_plans(model, enumerate_plans(layout, current.num_experts)))
     if current not in pool:
         pool.append(current)
-    costs = {p: evaluate_plan(model, p) for p in pool}
+    costs = {p: model.evaluate(p) for p in pool}
     best = min(pool, key=lambda p: (costs[p].total, p.domain_size, p.kind))
     cur_t, best_t = costs[current].total, costs[best].total
     if switch_seconds is None:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from megatron_hybridep.plan.cost import CostModel
 from megatron_hybridep.plan.phases import BLOCKING, Phase
 from megatron_hybridep.plan.plan import Plan
-from megatron_hybridep.plan.planner import Replan, evaluate_plan, replan, with_hot_plans
+from megatron_hybridep.plan.planner import Replan, replan, with_hot_plans
 from megatron_hybridep.plan.topology import Level, Topology
 from megatron_hybridep.plan.workload import Workload
 from megatron_hybridep.runtime.context import HybridEPRuntime
@@ -392,7 +392,7 @@ def _scaled(topology: Topology, f: float) -> Topology:
 
 
 def _exposed_comm(topology: Topology, workload: Workload, plan: Plan) -> float:
-    c = evaluate_plan(CostModel(topology, workload), plan)
+    c = CostModel(topology, workload).evaluate(plan)
     return c.total - c.phases[Phase.PRE_COMPUTE] - c.phases[Phase.EXPERT_COMPUTE]
 
 
@@ -407,7 +407,7 @@ def per_rank_gbps(topology: Topology, i: int) -> float:
 def calibrated(topology: Topology, workload: Workload, plan: Plan, compute_s: float) -> Workload:
     """The workload with its compute speed set so that the cost model's compute of ``plan`` (the
     running one: pre-expert and expert compute, forward and backward) equals the measured compute."""
-    c = evaluate_plan(CostModel(topology, workload), plan)
+    c = CostModel(topology, workload).evaluate(plan)
     predicted = c.phases[Phase.PRE_COMPUTE] + c.phases[Phase.EXPERT_COMPUTE]
     if predicted <= 0 or compute_s <= 0:
         return workload

@@ -25,7 +25,6 @@ from typing import Any
 
 from megatron_hybridep.plan.cost import CostModel, bytes_human, seconds_human
 from megatron_hybridep.plan.errors import PlanError
-from megatron_hybridep.plan.hot import evaluate as evaluate_plan
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import Topology
 from megatron_hybridep.plan.workload import Workload
@@ -165,7 +164,7 @@ def run_single(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     res = simulate(topo, work, plan, options=options)
     took = time.perf_counter() - t0
-    tierb = evaluate_plan(CostModel(topo, work), plan)  # replica phases too, when the plan has replicas
+    tierb = CostModel(topo, work).evaluate(plan)  # replica phases too, when the plan has replicas
     if args.trace:
         write_trace(res, args.trace)
     if args.png:

@@ -141,19 +141,18 @@ def test_one_min_all_reduce_gathers_rows_sums_bytes_and_takes_the_fastest_time()
 
 def test_measured_compute_calibrates_the_cost_model_to_the_measured_step():
     from megatron_hybridep.plan.cost import CostModel
-    from megatron_hybridep.plan.hot import evaluate
     from megatron_hybridep.runtime.scheduler import calibrated
 
-    nominal = evaluate(CostModel(TOPO, WORK), ALL4)
+    nominal = CostModel(TOPO, WORK).evaluate(ALL4)
     compute = nominal.phases["pre_compute"] + nominal.phases["expert_compute"]
     slow = calibrated(TOPO, WORK, ALL4, 3 * compute)  # the ranks are 3x slower than the workload says
-    c = evaluate(CostModel(TOPO, slow), ALL4)
+    c = CostModel(TOPO, slow).evaluate(ALL4)
     assert c.phases["pre_compute"] + c.phases["expert_compute"] == pytest.approx(3 * compute)
     assert slow.throughput_tflops == pytest.approx(WORK.throughput_tflops / 3)
     with_t_pre = calibrated(TOPO, WORK.replace(t_pre_ms=2.0), ALL4, 3 * compute)
     assert with_t_pre.t_pre_ms == pytest.approx(2.0 * 3 * compute / (
         lambda c: c.phases["pre_compute"] + c.phases["expert_compute"])(
-            evaluate(CostModel(TOPO, WORK.replace(t_pre_ms=2.0)), ALL4)))
+            CostModel(TOPO, WORK.replace(t_pre_ms=2.0)).evaluate(ALL4)))
 
     # the scheduler predicts the running plan's step as measured compute + modelled communication
     _, s = _scheduler(window=1)
@@ -161,7 +160,7 @@ def test_measured_compute_calibrates_the_cost_model_to_the_measured_step():
     d = s.decide(0)
     work = calibrated(s.measured_topology(), WORK.replace(routing_counts=np.rint(s.routing).astype(np.int64)), ALL4,
                       0.3)
-    c = evaluate(CostModel(s.measured_topology(), work), ALL4)
+    c = CostModel(s.measured_topology(), work).evaluate(ALL4)
     assert c.phases["pre_compute"] + c.phases["expert_compute"] == pytest.approx(0.3)
     assert d.compute_s == 0.3 and d.replan.current_seconds == pytest.approx(c.total, rel=1e-9)
     assert d.replan.current_seconds > 0.3  # plus the WAN time at the measured rate
@@ -283,7 +282,6 @@ def test_the_running_plans_step_is_fitted_and_the_others_priced_on_the_same_netw
     prediction equal its measured step and scales the other plan's network time alike (the
     20 Mbit/s replan demo: both plans were 13-18% under-predicted from the blocking calls alone)."""
     from megatron_hybridep.plan.cost import CostModel
-    from megatron_hybridep.plan.hot import evaluate
     from megatron_hybridep.runtime.scheduler import calibrated
 
     m = dataclasses.replace(_m(SLOW), compute_s=0.3)
@@ -292,7 +290,7 @@ def test_the_running_plans_step_is_fitted_and_the_others_priced_on_the_same_netw
     d = s.decide(0)  # no step time measured yet: no fit
     work = calibrated(s.measured_topology(), WORK.replace(routing_counts=np.rint(s.routing).astype(np.int64)),
                       ALL4, 0.3)
-    comm = {p: evaluate(CostModel(s.measured_topology(), work), p).total - 0.3 for p in (ALL4, PAIRS)}
+    comm = {p: CostModel(s.measured_topology(), work).evaluate(p).total - 0.3 for p in (ALL4, PAIRS)}
     assert s.network_factor == 1.0 and d.replan.current_seconds == pytest.approx(0.3 + comm[ALL4])
     assert d.replan.best_seconds == pytest.approx(0.3 + comm[PAIRS]) and comm[PAIRS] < comm[ALL4]
     factor = 1.3

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_hybridep.plan.cost import CostModel
-from megatron_hybridep.plan.hot import REPLICA_PHASES, evaluate, hot_plan
+from megatron_hybridep.plan.hot import REPLICA_PHASES, hot_plan
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import Level, Topology
 from megatron_hybridep.plan.workload import Workload, zipf_routing
@@ -38,7 +38,7 @@ def _plan(topo: Topology, w: Workload, which: str) -> Plan:
 @pytest.mark.parametrize("m,t_pre", [(1, 0.5), (1, 1000.0), (3, 0.0)])
 @pytest.mark.parametrize("lan", [1e6, 0.5])
 def test_cost_model_is_the_closed_form_of_the_replica_exchange(which, m, t_pre, lan):
-    """hot.py evaluate() and the runtime schedule agree phase by phase where the closed form's
+    """CostModel.evaluate and the runtime schedule agree phase by phase where the closed form's
     assumption holds: every exchange hides behind T_pre only. That is so with one MoE layer (the
     runtime starts layer l+1's exchange after layer l's experts, so layer l's combine covers it
     too), no domain gather (S = 1: nothing runs beside it), and one micro-batch or T_pre = 0 (later
@@ -50,7 +50,7 @@ def test_cost_model_is_the_closed_form_of_the_replica_exchange(which, m, t_pre, 
         w = w.replace(routing_counts=zipf_routing(4, 8, w.tokens, w.top_k, 1.5))
     plan = _plan(topo, w, which)
     sim = simulate(topo, w, plan)
-    tb = evaluate(CostModel(topo, w), plan)
+    tb = CostModel(topo, w).evaluate(plan)
     for ph in ALL:
         assert sim.phases[ph] == pytest.approx(tb.phases[ph], rel=1e-6, abs=1e-9), ph
     assert sim.total == pytest.approx(tb.total, rel=1e-9)
@@ -67,7 +67,7 @@ def test_where_the_runtime_order_departs_from_the_closed_form():
     def run(sizes, **kw):
         w = workload(8, borrowed_copies="microbatch", **kw)
         plan = domains(topo, 4, sizes, 8).with_replicas([(0, 1)])
-        return simulate(topo, w, plan), evaluate(CostModel(topo, w), plan), block_time(topo, w, plan,
+        return simulate(topo, w, plan), CostModel(topo, w).evaluate(plan), block_time(topo, w, plan,
                                                                                        "replica_weights")
 
     # 2 layers: layer 1's exchange starts after layer 0's experts and hides behind its WAN combine;
@@ -110,7 +110,7 @@ def test_replica_exchange_is_bytes_over_bandwidth_on_one_link():
     assert r.phases["replica_weights"] > 0.1 * r.total  # big enough that dropping it shows
     without = simulate(topo, w, plan.base)
     assert "replica_weights" not in without.phases
-    tb = evaluate(CostModel(topo, w), plan)
+    tb = CostModel(topo, w).evaluate(plan)
     for ph in REPLICA_PHASES:
         assert r.phases[ph] == pytest.approx(tb.phases[ph], rel=1e-9)
 
