@@ -13,13 +13,13 @@ package (tests/test_layering.py); the benchmark that runs on it is bench/.
 
 from megatron_hybridep.testbed.launcher import LaunchResult, RankGroup, RankInfo, launch, start
 from megatron_hybridep.testbed.network import LinkCounters, Testbed, TestbedConfig
-from megatron_hybridep.testbed.selfcheck import Measurement, SelfCheckReport, measure_throughput, selfcheck
+from megatron_hybridep.testbed.selfcheck import LinkThroughput, SelfCheckReport, measure_throughput, selfcheck
 from megatron_hybridep.testbed.sh import TestbedError
 
 __all__ = [
     "LaunchResult",
     "LinkCounters",
-    "Measurement",
+    "LinkThroughput",
     "RankGroup",
     "RankInfo",
     "SelfCheckReport",

@@ -41,7 +41,7 @@ UNBOUNDED_BYTES = 4 << 30  # intra-DC / unshaped: the time limit ends it first
 
 
 @dataclass
-class Measurement:
+class LinkThroughput:
     src_dc: int
     dst_dc: int
     mbit: float  # measured TCP goodput
@@ -66,7 +66,7 @@ class SelfCheckReport:
     testbed: str
     tolerance: float
     intra_factor: float
-    measurements: list[Measurement] = field(default_factory=list)
+    measurements: list[LinkThroughput] = field(default_factory=list)
 
     two_way_tolerance: float = 0.5
 
@@ -103,7 +103,7 @@ def measure_throughput(
     *,
     seconds: float = 1.0,
     max_bytes: int | None = None,
-) -> Measurement:
+) -> LinkThroughput:
     """Send from a socket in src_dc's namespace to one in dst_dc's for ~`seconds`
     (or `max_bytes`), and return the receiver's steady-state goodput."""
     expected = tb.expected_mbit(src_dc, dst_dc)
@@ -159,7 +159,7 @@ def measure_throughput(
         raise TestbedError(f"self-check dc{src_dc} -> dc{dst_dc}: too little data received")
 
     mbit, window = _steady_mbit(samples)
-    return Measurement(src_dc, dst_dc, mbit, samples[-1][1], window, expected)
+    return LinkThroughput(src_dc, dst_dc, mbit, samples[-1][1], window, expected)
 
 
 def _steady_mbit(samples: list[tuple[float, int]], until: float | None = None) -> tuple[float, float]:
@@ -173,7 +173,8 @@ def _steady_mbit(samples: list[tuple[float, int]], until: float | None = None) -
     return (samples[-1][1] - start[1]) * 8 / window / 1e6, window
 
 
-def measure_two_way(tb: Network, a_dc: int, b_dc: int, *, seconds: float = 1.0) -> tuple[Measurement, Measurement]:
+def measure_two_way(tb: Network, a_dc: int, b_dc: int, *,
+                    seconds: float = 1.0) -> tuple[LinkThroughput, LinkThroughput]:
     """One TCP connection between a_dc and b_dc carrying bulk data both ways at once for ~`seconds`:
     the goodput of each direction over the time both were sending (a -> b, b -> a)."""
     if a_dc == b_dc:
@@ -236,7 +237,8 @@ def measure_two_way(tb: Network, a_dc: int, b_dc: int, *, seconds: float = 1.0) 
         if len(samples[key]) < 2:
             raise TestbedError(f"two-way check dc{src} -> dc{dst}: too little data received")
         mbit, window = _steady_mbit(samples[key], until=stop)  # only while both directions were sending
-        out.append(Measurement(src, dst, mbit, samples[key][-1][1], window, tb.expected_mbit(src, dst), two_way=True))
+        out.append(LinkThroughput(src, dst, mbit, samples[key][-1][1], window, tb.expected_mbit(src, dst),
+                                  two_way=True))
     return out[0], out[1]
 
 

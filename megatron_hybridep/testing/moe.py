@@ -57,7 +57,7 @@ def rank_input(spec: MoESpec, rank: int, step: int = 0) -> torch.Tensor:
     return torch.randn(spec.seq, spec.batch, spec.hidden, generator=g).to(spec.dtype)
 
 
-def transformer_config(spec: MoESpec, **overrides: object):  # noqa: ANN201 - TransformerConfig
+def layer_config(spec: MoESpec, **overrides: object):  # noqa: ANN201 - TransformerConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = dict(
@@ -83,7 +83,7 @@ def build_moe_layer(spec: MoESpec, ep_rank: int, ep_size: int, *, grouped_gemm: 
 
     if grouped_gemm:
         config_overrides.setdefault("moe_grouped_gemm", True)
-    config = transformer_config(spec, **config_overrides)
+    config = layer_config(spec, **config_overrides)
     build = get_moe_module_spec(use_te=transformer_engine, num_experts=spec.experts, moe_grouped_gemm=grouped_gemm)
     layer = build(config=config)
     load_global_weights(layer, global_weights(spec), ep_rank, ep_size)

@@ -37,7 +37,7 @@ def _model_provider(pre_process: bool = True, post_process: bool = True, vp_stag
                          **gpt.model_kwargs(args))
 
 
-def _loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def _masked_loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
     mask = loss_mask.view(-1).float()
     total = torch.sum(output.view(-1).float() * mask)
     tokens = mask.sum().to(torch.int)
@@ -45,13 +45,13 @@ def _loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, 
     return total, tokens, {"lm loss": report}
 
 
-def _forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
+def _gpu_forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
     batch = next(data_iterator)
     tokens, labels = batch["tokens"].cuda(), batch["labels"].cuda()
     loss_mask = batch["loss_mask"].cuda()
     position_ids = batch["position_ids"].cuda()
     output = model(tokens, position_ids, None, labels=labels)
-    return output, partial(_loss, loss_mask)
+    return output, partial(_masked_loss, loss_mask)
 
 
 def _datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None) -> tuple:
@@ -90,5 +90,5 @@ def pretrain(args: argparse.Namespace) -> int:
     sys.argv = ["pretrain_moe.py", *args.argv]
     margs = parse_and_validate_args(extra_args_provider=add_hybridep_args)
     megatron_pretrain(pretrain_cfg_container_from_args(margs), _datasets_provider, ModelType.encoder_or_decoder,
-                      _forward_step, model_provider=_model_provider)
+                      _gpu_forward_step, model_provider=_model_provider)
     return 0
