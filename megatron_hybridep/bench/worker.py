@@ -41,16 +41,14 @@ PREFIX = "BENCH "
 WAN_DEV = "wan0"
 
 
-_UNSENT: list[dict[str, Any]] = []  # rank 0's events since its last control request
-
-
-def emit(event: str, **fields: Any) -> None:
-    """Print an event (the log and the progress lines) and keep it for the next control request:
-    the parent decides on the control channel's copy, which cannot lag behind like a pipe reader."""
+def emit(event: str, unsent: list[dict[str, Any]], **fields: Any) -> None:
+    """Print an event (the log and the progress lines) and keep it in ``unsent`` for the next control
+    request: the parent decides on the control channel's copy, which cannot lag behind like a pipe
+    reader."""
     record = {"event": event, **fields}
     print(PREFIX + json.dumps(record), flush=True)
     if event != "iter":
-        _UNSENT.append(record)
+        unsent.append(record)
 
 
 def wan_counters(dev: str = WAN_DEV) -> tuple[int, int]:
@@ -132,16 +130,20 @@ class Worker:
         self.local_rank = int(os.environ["LOCAL_RANK"])
         self.dc = self.rank // self.ranks_per_dc
         self.control = ControlClient(os.environ[CONTROL_ENV]) if self.rank == 0 else None
+        self.unsent: list[dict[str, Any]] = []  # rank 0's events since its last control request
         from megatron_hybridep.data.synthetic import MarkovCorpus
 
         self.corpus = MarkovCorpus(vocab_size=spec["model"]["vocab_size"])
 
     # ---- control ------------------------------------------------------------------------------
+    def emit(self, event: str, **fields: Any) -> None:
+        emit(event, self.unsent, **fields)
+
     def ask(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Rank 0 asks the parent; every rank gets the answer."""
         if self.control is not None:
-            msg = {**msg, "events": list(_UNSENT)}
-            _UNSENT.clear()
+            msg = {**msg, "events": list(self.unsent)}
+            self.unsent.clear()
         box = [self.control.request(msg) if self.control is not None else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
@@ -173,7 +175,7 @@ class Worker:
             links: list[Any] = [None] * self.world
             dist.all_gather_object(links, link)
             if self.rank == 0:
-                emit("probe", point=point, bytes_per_rank=n * 4, repeats=spec["repeats"], step_s=times,
+                self.emit("probe", point=point, bytes_per_rank=n * 4, repeats=spec["repeats"], step_s=times,
                      median_s=statistics.median(times), link=[c for c in links if c is not None])
 
     # ---- one system -----------------------------------------------------------------------------
@@ -234,7 +236,7 @@ class Worker:
         if self.rank == 0:
             dense = sum(p.numel() for p in gpt.parameters() if getattr(p, "allreduce", True))
             experts = sum(p.numel() for p in gpt.parameters() if not getattr(p, "allreduce", True))
-            emit("model", system=system, point=point["index"], dense_params=dense, expert_params_per_rank=experts,
+            self.emit("model", system=system, point=point["index"], dense_params=dense, expert_params_per_rank=experts,
                  expert_share=experts * args.expert_model_parallel_size
                  / (dense + experts * args.expert_model_parallel_size),  # of the model's parameters
                  ep_size=args.expert_model_parallel_size, pp_size=args.pipeline_model_parallel_size,
@@ -315,8 +317,9 @@ class Worker:
         per_rank = [e["rows"] for e in everyone]
         for i, step in enumerate(steps):  # the loss of the last pipeline stage (earlier ones have none)
             loss = next((r[i]["loss"] for r in per_rank if math.isfinite(r[i]["loss"])), math.nan)
-            emit("iter", phase=phase, system=system, plan=label, point=point["index"], iter=i, step_s=step, loss=loss)
-        emit("point", phase=phase, system=system, plan=label, plan_index=plan_index, point=point["index"],
+            self.emit("iter", phase=phase, system=system, plan=label, point=point["index"], iter=i, step_s=step,
+                      loss=loss)
+        self.emit("point", phase=phase, system=system, plan=label, plan_index=plan_index, point=point["index"],
              tokens=mbs * seq, micro_batch=mbs, micro_batches=m, seq=seq, iters=iters, step_s=steps,
              median_s=statistics.median(steps), warmup_s=warmup_s, loadavg=(load0, os.getloadavg()[0]), link=links,
              ranks={k: _mean_over(per_rank, k) for k in per_rank[0][0] if k not in ("step_s", "loss")})
