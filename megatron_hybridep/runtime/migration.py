@@ -32,7 +32,6 @@ mirror of n (what the peers hold of this rank's experts).
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,12 +40,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_hybridep.plan.phases import Phase
-from megatron_hybridep.runtime.borrowed import FusedWgrad, OwedGradient, add_to_grads, version_key
 from megatron_hybridep.runtime.compression import (
     ErrorFeedbackTopK,
     SharedExpertRule,
     SharedResidualCodec,
 )
+from megatron_hybridep.runtime.exchange import ExpertExchange
 from megatron_hybridep.runtime.instrument import Stats
 from megatron_hybridep.runtime.numerics import check_rows
 
@@ -82,24 +81,6 @@ class MigrationConfig:
     @property
     def compresses_grads(self) -> bool:
         return self.grad_compression_ratio > 1.0
-
-
-def expert_major(named: Sequence[tuple[str, torch.nn.Parameter]], num_local: int
-                 ) -> list[tuple[str, torch.nn.Parameter]]:
-    """Parameters ordered expert by expert, so the flat buffer is [L, n] (a row per expert): the
-    codec compresses each expert on its own. Works for SequentialMLP (local_experts.<i>.*) and
-    grouped-GEMM experts (weight<i>/bias<i>)."""
-    if num_local == 1:
-        return list(named)
-    keyed = []
-    for pos, (name, p) in enumerate(named):
-        m = re.search(r"local_experts\.(\d+)\.", name) or re.search(r"(?:weight|bias)(\d+)$", name)
-        if m is None:
-            raise ValueError(f"cannot tell which local expert parameter {name!r} belongs to; compression needs "
-                             "SequentialMLP or grouped-GEMM experts")
-        keyed.append((int(m.group(1)), pos, name, p))
-    keyed.sort()
-    return [(name, p) for _, _, name, p in keyed]
 
 
 class SharedExpert:
@@ -152,11 +133,11 @@ class _Gathered(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         owner = ctx.owner
-        return None, None, *owner.wgrad.to_params(owner._owed(owner.wgrad.take(grad)), owner.params)
+        return None, None, *owner.wgrad.to_params(owner.owed(owner.wgrad.take(grad)), owner.params)
 
 
-class DomainGather:
-    """All-gather of one MoE layer's expert parameters across a domain."""
+class DomainGather(ExpertExchange):
+    """All-gather of one MoE layer's expert parameters across a domain (runtime/exchange.py)."""
 
     def __init__(self, params: Sequence[tuple[str, torch.nn.Parameter]], group: dist.ProcessGroup,
                  position: int, layer: int = 0, stats: Stats | None = None,
@@ -164,16 +145,12 @@ class DomainGather:
                  config: MigrationConfig | None = None, shared: SharedExpert | None = None,
                  defer: Callable[[], bool] | None = None, asynchronous: Callable[[], bool] | None = None,
                  fuse_wgrad: bool = False) -> None:
-        ordered = expert_major(params, num_local)
-        self.names = [n for n, _ in ordered]
-        self.params = [p for _, p in ordered]
-        self.group, self.position, self.layer, self.stats = group, position, layer, stats
-        self.size = dist.get_world_size(group)
-        # link level towards each domain position, for per-level byte counts
-        self.levels = tuple(levels) if levels is not None else ("all",) * self.size
-        self.numel = sum(p.numel() for p in self.params)
-        self.num_local = num_local
         self.config = config or MigrationConfig()
+        self.group, self.position = group, position
+        self.size = dist.get_world_size(group)
+        super().__init__(params, num_local, layer=layer, stats=stats,
+                         levels=tuple(levels) if levels is not None else ("all",) * self.size,
+                         hold=self.config.hold_copies, defer=defer, asynchronous=asynchronous, fuse_wgrad=fuse_wgrad)
         self.shared = shared
         dtype = self.params[0].dtype
         # incremental: the codec's base is the peers' copy, which plain top-k seeds with zeros
@@ -184,10 +161,8 @@ class DomainGather:
                            if self.config.compresses_grads else None)
         if self.codec is not None and (self.shared is None) == self.config.use_shared:
             raise ValueError("a shared+residual codec needs a SharedExpert (and plain top-k must not have one)")
-        row = self.numel // num_local
-        self.wire_bytes_per_rank = (num_local * self.codec.nbytes(row, dtype) if self.codec is not None
+        self.wire_bytes_per_rank = (num_local * self.codec.nbytes(self.row, dtype) if self.codec is not None
                                     else self.numel * self.params[0].element_size())
-        self._pending: _Pending | None = None
         self._step = 0
         # incremental compression: what the peers hold of this rank's experts [L, row], and what this
         # rank holds of every position [S, L, row] (own slot unused); None = rebuild from the shared base
@@ -197,21 +172,14 @@ class DomainGather:
         self._copies_shared: torch.Tensor | None = None
         self._encoded: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
         self._encoded_key: tuple[int, ...] | None = None
-        # the copies of this optimizer step (hold_copies) and the version of the parameters they carry
-        self._copy: torch.Tensor | None = None
-        self._copy_key: tuple[int, ...] | None = None
-        hold = self.config.hold_copies  # per micro-batch: every backward returns, blocking
-        self.owed = OwedGradient(defer if defer is not None and hold else (lambda: False),
-                                 self._return_grads, self._launch_return, asynchronous if hold else None)
-        self.wgrad = FusedWgrad(fuse_wgrad)  # --gradient-accumulation-fusion: copies get a main_grad
 
     @property
     def bytes_per_rank(self) -> int:
         """Bytes one rank ships to each peer per gather (the P of the cost model, after compression)."""
         return self.wire_bytes_per_rank
 
-    def _flat(self, detach: bool) -> torch.Tensor:
-        return torch.cat([(p.detach() if detach else p).reshape(-1) for p in self.params])
+    def current_step(self) -> int:
+        return self._step
 
     def on_step(self, step: int) -> None:
         """After the optimizer step: the counter the shared-expert rule runs on."""
@@ -269,10 +237,7 @@ class DomainGather:
         """Right after the optimizer step (compressed only): encode now, while the weights are fresh,
         and launch the gather later (prefetch order). Encoding again before a launch replaces it."""
         if self.codec is not None and self.size > 1 and self._pending is None and not self._holds_current():
-            self._encoded, self._encoded_key = self._encode(), version_key(self.params, self._step)
-
-    def _holds_current(self) -> bool:
-        return self._copy is not None and self._copy_key == version_key(self.params, self._step)
+            self._encoded, self._encoded_key = self._encode(), self.version()
 
     def start(self) -> None:
         """Launch the all-gather now: a no-op if one for the current parameters is in flight or their
@@ -281,12 +246,12 @@ class DomainGather:
         outlived a step) is waited for and dropped, never used."""
         if self.size == 1:
             return
-        key = version_key(self.params, self._step)
+        key = self.version()
         if self._pending is not None:
             if self._pending.key == key:
                 return
             self._forget_gathers()
-        if self.config.hold_copies and self._holds_current():
+        if self._holds_current():
             return
         if self._encoded is not None and self._encoded_key != key:
             self._encoded = None
@@ -305,7 +270,7 @@ class DomainGather:
         are not held (starting the gather if nobody did)."""
         if self.size == 1:
             return [None]
-        if self.config.hold_copies and self._holds_current():
+        if self._holds_current():
             buffer = self._copy
         else:
             self.start()
@@ -327,15 +292,6 @@ class DomainGather:
         if self.wgrad.enabled:
             self.wgrad.attach(gathered, [v for views in out if views is not None for v in views.values()], self.params)
         return out
-
-    def _owed(self, grad: torch.Tensor) -> torch.Tensor | None:
-        return self.owed(grad)
-
-    def flush_owed(self) -> None:
-        """Return a gradient still owed (collective over the domain) into the owners' main grads."""
-        flat = self.owed.flush()
-        if flat is not None:
-            add_to_grads(flat, self.params)
 
     # ---- called by _Gathered ----------------------------------------------------------------
     def _finish(self, pending: _Pending) -> torch.Tensor:
@@ -390,9 +346,6 @@ class DomainGather:
         if shared is None:
             return torch.zeros_like(rows)
         return shared.reshape(1, -1).expand_as(rows).clone()
-
-    def _return_grads(self, grad: torch.Tensor) -> torch.Tensor:
-        return self._launch_return(grad)()
 
     def _launch_return(self, grad: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Start returning ``grad`` (S chunks: one per domain position) to the owners; the function

@@ -24,9 +24,8 @@ import torch.distributed as dist
 
 from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.plan.plan import Plan
-from megatron_hybridep.runtime.borrowed import FusedWgrad, OwedGradient, add_to_grads, version_key
+from megatron_hybridep.runtime.exchange import ExpertExchange
 from megatron_hybridep.runtime.instrument import Stats
-from megatron_hybridep.runtime.migration import expert_major
 
 
 class _Pending:
@@ -49,21 +48,19 @@ class _Exchanged(torch.autograd.Function):
         return grad_hidden, None, None, *owner.wgrad.to_params(owner.owed(owner.wgrad.take(grad_recv)), owner.params)
 
 
-class ReplicaExchange:
-    """Replica weights of one MoE layer under one plan, for this EP rank."""
+class ReplicaExchange(ExpertExchange):
+    """Replica weights of one MoE layer under one plan, for this EP rank (runtime/exchange.py)."""
 
     def __init__(self, params: Sequence[tuple[str, torch.nn.Parameter]], num_local: int, plan: Plan,
                  ep_rank: int, group: dist.ProcessGroup, layer: int = 0, stats: Stats | None = None,
                  levels: Sequence[str] | None = None, hold: bool = False,
                  defer: Callable[[], bool] | None = None, asynchronous: Callable[[], bool] | None = None,
                  step: Callable[[], int] | None = None, fuse_wgrad: bool = False) -> None:
-        ordered = expert_major(params, num_local)
-        self.names = [n for n, _ in ordered]
-        self.params = [p for _, p in ordered]
-        self.group, self.layer, self.stats, self.num_local = group, layer, stats, num_local
+        super().__init__(params, num_local, layer=layer, stats=stats,
+                         levels=tuple(levels) if levels is not None else ("all",) * plan.ep_size, hold=hold,
+                         defer=defer, asynchronous=asynchronous, fuse_wgrad=fuse_wgrad)
+        self.group = group
         self.per_param = len(self.params) // num_local          # tensors per expert
-        self.row = sum(p.numel() for p in self.params) // num_local  # elements per expert
-        self.levels = tuple(levels) if levels is not None else ("all",) * plan.ep_size
         G, L, me = plan.ep_size, plan.experts_per_rank, ep_rank
         pairs = plan.replicas.pairs
         # sends ordered by (destination, expert); receives by (owner, expert): the same order on both ends
@@ -72,26 +69,16 @@ class ReplicaExchange:
         self.experts = tuple(sorted((e for e, r in pairs if r == me), key=lambda e: (e // L, e)))
         self.in_splits = [self.row * sum(1 for e, r in pairs if r == q and e // L == me) for q in range(G)]
         self.out_splits = [self.row * sum(1 for e in self.experts if e // L == q) for q in range(G)]
-        self._pending: _Pending | None = None
-        self.hold = hold
-        self.step = step or (lambda: 0)  # the runtime's optimizer-step count
-        self._copy: torch.Tensor | None = None
-        self._copy_key: tuple[int, ...] | None = None
-        self.owed = OwedGradient(defer if defer is not None and hold else (lambda: False), self._return_grads,
-                                 self._launch_return, asynchronous if hold else None)
-        self.wgrad = FusedWgrad(fuse_wgrad)  # --gradient-accumulation-fusion: replicas get a main_grad
+        self._step_of = step or (lambda: 0)  # the runtime's optimizer-step count
 
-    def _holds_current(self) -> bool:
-        return self.hold and self._copy is not None and self._copy_key == version_key(self.params, self.step())
-
-    def _flat(self, detach: bool) -> torch.Tensor:
-        return torch.cat([(p.detach() if detach else p).reshape(-1) for p in self.params])
+    def current_step(self) -> int:
+        return self._step_of()
 
     def start(self) -> None:
         """Issue the weight all-to-all now (no-op if in flight). Weights must not change until
         ``exchange``: call after the optimizer step or within the forward pass. An exchange of older
         weights (a prefetch that outlived a step) is waited for and dropped."""
-        key = version_key(self.params, self.step())
+        key = self.version()
         if self._pending is not None:
             if self._pending.key == key:
                 return
@@ -141,9 +128,6 @@ class ReplicaExchange:
                     time.perf_counter() - pending.started)
         return pending.recv
 
-    def _return_grads(self, grad_recv: torch.Tensor) -> torch.Tensor:
-        return self._launch_return(grad_recv)()
-
     def _launch_return(self, grad_recv: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Start sending the replicas' gradients to their owners; the function returned waits and
         gives this rank's experts' share, summed."""
@@ -172,12 +156,6 @@ class ReplicaExchange:
         for q, n in enumerate(splits):
             if n:
                 self.stats.add(self.layer, phase, "ep", n * size, 0.0, level=self.levels[q])
-
-    def flush_owed(self) -> None:
-        """Return a gradient still owed (collective over the EP group) into the owners' main grads."""
-        flat = self.owed.flush()
-        if flat is not None:
-            add_to_grads(flat, self.params)
 
     def drop(self) -> None:
         """Forget an in-flight exchange and held weights (plan switch, stale prefetch)."""
