@@ -4,7 +4,7 @@ parser and their log parsing reads Megatron's real log line (CPU; the runs thems
 import importlib.util
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(name: str):

@@ -42,7 +42,7 @@ def _compare(ctx, plans, specs, steps):
     from megatron_hybridep.megatron import cpu_runtime, register, setup, teardown
     from megatron_hybridep.megatron.dispatcher import instrument
     from megatron_hybridep.runtime.instrument import Stats
-    from tests.test_hybridep_layer import _steps
+    from tests.layer.test_hybridep_layer import _steps
 
     cpu_runtime.enable()
     register()
