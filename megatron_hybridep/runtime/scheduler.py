@@ -74,6 +74,8 @@ class SchedulerConfig:
     overlap: bool = True      # all-reduce the statistics in the background; decide one iteration later
     replica_budget: int | None = 0  # hot-expert replicas per rank the scheduler may add to a prebuilt plan
                                     # (None: the experts a rank owns; 0: off, only prebuilt plans)
+    cycle_every: int = 0      # diagnostic (benchmarks/soak.py, no flag): instead of deciding by cost, switch
+                              # to the next candidate plan at every multiple of this many iterations
 
 
 @dataclass(frozen=True)
@@ -270,10 +272,25 @@ class PlanScheduler:
         hot = with_hot_plans(model, bases, self.config.replica_budget)[len(bases):]
         return list(self.runtime.plans) + [p for p in hot if p not in self.runtime.plans]
 
+    def _cycled(self, iteration: int, r: Replan) -> Replan:
+        """cycle_every: the candidate after the running plan (the first one when the running plan is a
+        hot variant routing no longer yields), at every multiple of cycle_every; else no switch."""
+        if iteration % self.config.cycle_every:
+            return dataclasses.replace(r, switch=False, plan=self.runtime.plan, reason="cycle: not due")
+        workload = self.workload if self.routing is None else self.workload.replace(
+            routing_counts=np.rint(self.routing).astype(np.int64))
+        plans = self.candidates(CostModel(self.measured_topology(), workload))
+        current = self.runtime.plan
+        nxt = plans[(plans.index(current) + 1) % len(plans)] if current in plans else plans[0]
+        return dataclasses.replace(r, switch=nxt != current, plan=nxt, reason=f"cycle every {self.config.cycle_every}")
+
     def decide(self, iteration: int) -> Decision:
         r = self._costed()
         switched = False
-        if r.switch and r.current_seconds - r.best_seconds < self.config.min_gain * r.current_seconds:
+        cycling = self.config.cycle_every > 0
+        if cycling:
+            r = self._cycled(iteration, r)
+        elif r.switch and r.current_seconds - r.best_seconds < self.config.min_gain * r.current_seconds:
             r = dataclasses.replace(r, switch=False, plan=self.runtime.plan, reason=(
                 f"{r.plan.label} predicted only {1 - r.best_seconds / r.current_seconds:.1%} faster per step "
                 f"(< min_gain {self.config.min_gain:.0%})"))
@@ -282,7 +299,7 @@ class PlanScheduler:
             # variants of one base differ check to check as routing moves: keying on them never settles)
             self._streak += 1
             ready = all(len(v) >= self.config.window for v in self._samples.values())
-            if self._streak >= self.config.patience and ready:
+            if cycling or (self._streak >= self.config.patience and ready):
                 warn_once(log, "hybridep scheduler, iteration %d: switching %s -> %s (%s; predicted %.4g s -> %.4g s "
                     "per iteration; measured bandwidth %s Gbit/s per rank, compute %s s per iteration)",
                     iteration, self.runtime.plan.label, r.plan.label, r.reason, r.current_seconds, r.best_seconds,
