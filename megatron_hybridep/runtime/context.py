@@ -195,6 +195,8 @@ class HybridEPRuntime:
         del self.plans[index], self.groups[index]
         if self.active > index:
             self.active -= 1
+        if self.scheduler is not None:
+            self.scheduler.plans_renumbered()
 
     def switch(self, plan_index: int) -> None:
         """Activate another prebuilt plan at an iteration boundary. Owners keep their parameters,

@@ -263,6 +263,10 @@ class PlanScheduler:
             self.network_factor = f
         return _scaled(topology, self.network_factor)
 
+    def plans_renumbered(self) -> None:
+        """The runtime forgot an adopted plan: the cached answer is keyed by the running plan's index."""
+        self._cache = None
+
     def candidates(self, model: CostModel) -> list[Plan]:
         """The prebuilt plans, plus a hot-replica variant of each plan without replicas once routing
         is measured and skewed (plan/hot.py): it needs no new group, so it is adopted on a switch."""
