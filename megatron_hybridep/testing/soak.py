@@ -32,13 +32,15 @@ def slow_wan_topology(path: str) -> str:
 
 def resources() -> dict[str, int]:
     """This process: resident memory (kB), threads, open fds, process groups alive (c10d's map: ours
-    and Megatron's)."""
+    and Megatron's) and those runtime/groups.py created."""
     from torch.distributed import distributed_c10d as c10d
+
+    from megatron_hybridep.runtime.groups import groups_created
 
     with open("/proc/self/status") as f:
         rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     return {"rss_kb": rss, "threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd")),
-            "groups": len(c10d._world.pg_map)}
+            "groups": len(c10d._world.pg_map), "hybridep_groups": groups_created()}
 
 
 def rank(ctx: Any, argv: Sequence[str], switch_every: int, sample_every: int) -> dict[str, Any]:
