@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,7 @@ from megatron_hybridep.runtime.logs import warn_once
 log = logging.getLogger("hybridep.scheduler")
 
 BLOCKING_PHASES = BLOCKING
+HISTORY = 100  # decisions PlanScheduler.history keeps
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,8 @@ class PlanScheduler:
     config: SchedulerConfig = field(default_factory=SchedulerConfig)
     bandwidth_gbps: dict[str, float] = field(default_factory=dict)
     routing: np.ndarray | None = None
-    history: list[Decision] = field(default_factory=list)
+    # the last decisions (for tests and debugging): bounded, a long run decides every `interval` iterations
+    history: deque[Decision] = field(default_factory=lambda: deque(maxlen=HISTORY))
     _streak: int = 0                    # consecutive checks that want to switch
     _samples: dict[str, list[float]] = field(default_factory=dict)  # per level, the last `window` rates
     _cache: tuple | None = None         # (inputs, Replan) of the last cost-model run
