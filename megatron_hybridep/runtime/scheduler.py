@@ -280,15 +280,21 @@ class PlanScheduler:
         return list(self.runtime.plans) + [p for p in hot if p not in self.runtime.plans]
 
     def _cycled(self, iteration: int, r: Replan) -> Replan:
-        """cycle_every: the candidate after the running plan (the first one when the running plan is a
-        hot variant routing no longer yields), at every multiple of cycle_every; else no switch."""
+        """cycle_every: at every multiple of it, a prebuilt plan's hot variant after the plan itself (when
+        routing yields one), else the next prebuilt plan; no switch in between."""
         if iteration % self.config.cycle_every:
             return dataclasses.replace(r, switch=False, plan=self.runtime.plan, reason="cycle: not due")
-        workload = self.workload if self.routing is None else self.workload.replace(
-            routing_counts=np.rint(self.routing).astype(np.int64))
-        plans = self.candidates(CostModel(self.measured_topology(), workload))
-        current = self.runtime.plan
-        nxt = plans[(plans.index(current) + 1) % len(plans)] if current in plans else plans[0]
+        current, prebuilt = self.runtime.plan, self.runtime.plans[:self.runtime.prebuilt]
+        bases = [p for p in prebuilt if not p.replicas] or prebuilt
+        key = (current.domains, current.rails)
+        here = next((i for i, b in enumerate(bases) if (b.domains, b.rails) == key), -1)
+        hot = {}
+        if self.config.replica_budget != 0 and self.routing is not None and not current.replicas:
+            workload = self.workload.replace(routing_counts=np.rint(self.routing).astype(np.int64))
+            model = CostModel(self.measured_topology(), workload)
+            variants = with_hot_plans(model, bases, self.config.replica_budget)[len(bases):]
+            hot = {(h.domains, h.rails): h for h in variants}
+        nxt = hot.get(key) or bases[(here + 1) % len(bases)]
         return dataclasses.replace(r, switch=nxt != current, plan=nxt, reason=f"cycle every {self.config.cycle_every}")
 
     def decide(self, iteration: int) -> Decision:

@@ -8,7 +8,7 @@ from megatron_hybridep.testing import soak
 from megatron_hybridep.testing.loop import TINY
 from megatron_hybridep.train.launch import run_ranks
 
-ITERS, EVERY, SAMPLE = 120, 10, 5
+ITERS, EVERY, SAMPLE = 150, 10, 5
 
 
 def _warm(labels, prebuilt_labels):
