@@ -163,6 +163,13 @@ class HybridEPMoELayer(MoELayer):
         """A plan adopted after construction (runtime.adopt): its groups exist already."""
         self._plan_state.append(self._build_for_plan(groups, self._pg_collection))
 
+    def remove_plan(self, index: int) -> None:
+        """An adopted plan the runtime forgets (runtime.MAX_ADOPTED); not the active one."""
+        state = self._plan_state.pop(index)
+        for x in (state.gather, state.replicas):
+            if x is not None:
+                x.drop()
+
     @property
     def _fuse_wgrad(self) -> bool:
         """--gradient-accumulation-fusion: Megatron's expert layers write wgrads into main_grad."""

@@ -23,6 +23,10 @@ from megatron_hybridep.runtime.migration import MigrationConfig
 
 log = logging.getLogger(__name__)
 
+# Hot-replica variants held at once (runtime.adopt): routing drifts over a long run, and each adopted plan
+# keeps a dispatcher and exchanges in every layer; the oldest one not running is forgotten beyond this.
+MAX_ADOPTED = 8
+
 
 class GatheringLayer(Protocol):
     def start_gather(self) -> None: ...
@@ -32,6 +36,7 @@ class GatheringLayer(Protocol):
     def load_hybridep_state_dict(self, state: dict[str, Any]) -> None: ...
     def encode_ahead(self) -> None: ...
     def add_plan(self, groups: PlanGroups) -> None: ...
+    def remove_plan(self, index: int) -> None: ...
     def owes_grads(self) -> bool: ...
     def flush_owed(self) -> None: ...
     def collect_grad_returns(self) -> int: ...
@@ -46,6 +51,7 @@ class HybridEPRuntime:
         for plan in plans:  # all checks before the first collective
             validate_for_job(plan, ep_size, plan.num_experts)
         self.plans = list(plans)
+        self.prebuilt = len(self.plans)  # plans past this are adopted variants (adopt), at most MAX_ADOPTED
         self.ep_group = ep_group
         self.migration = migration or MigrationConfig()
         self.step = 0
@@ -174,11 +180,23 @@ class HybridEPRuntime:
             raise PlanError(f"hybridep: plan {plan.label} needs process groups this job did not prebuild; fix: "
                             "run with --hybridep-replan-interval so every candidate plan's groups exist")
         groups = dataclasses.replace(base, plan=plan)
+        if len(self.plans) - self.prebuilt >= MAX_ADOPTED:
+            self._forget(next(i for i in range(self.prebuilt, len(self.plans)) if i != self.active))
         self.plans.append(plan)
         self.groups.append(groups)
         for layer in self.layers:
             layer.add_plan(groups)
         return len(self.plans) - 1
+
+    def _forget(self, index: int) -> None:
+        """Drop an adopted plan that is not running (same on every rank: no collective)."""
+        for layer in self.layers:
+            layer.remove_plan(index)
+        del self.plans[index], self.groups[index]
+        if self.active > index:
+            self.active -= 1
+        if self.scheduler is not None:
+            self.scheduler.plans_renumbered()
 
     def switch(self, plan_index: int) -> None:
         """Activate another prebuilt plan at an iteration boundary. Owners keep their parameters,

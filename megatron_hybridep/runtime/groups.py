@@ -3,6 +3,11 @@
 Plans speak in EP-group-local ranks (0..G-1, the position in Megatron's expert-parallel group);
 this module maps them onto global ranks of every EP group in the job and creates the groups once,
 in the same order on every rank (torch.distributed.new_group is collective over the world).
+
+Groups are cached by their ranks for the life of the world group: gloo never frees a group's threads
+(destroy_process_group did not either, docs/results.md), so plans with the same ranks share a group
+and a runtime rebuilt in the same process (the bench builds one per system) creates none. Every rank
+asks for the same ranks in the same order, so hits and misses, and the new_group calls, agree.
 """
 
 from __future__ import annotations
@@ -12,6 +17,30 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from megatron_hybridep.plan.plan import Plan, PlanError
+
+_cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_cache_world: list[dist.ProcessGroup | None] = [None]  # the world group the cache belongs to
+_created = [0]
+
+
+def group_of(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """The process group of these global ranks, created on the first request (collective over the
+    world: call on every rank with the same ranks in the same order)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._get_default_group()
+    if _cache_world[0] is not world:  # a new world (destroyed and initialised again): old groups are gone
+        _cache.clear()
+        _cache_world[0] = world
+    if ranks not in _cache:  # (a rank outside the group gets a placeholder, cached the same way)
+        _cache[ranks] = dist.new_group(list(ranks))
+        _created[0] += 1
+    return _cache[ranks]
+
+
+def groups_created() -> int:
+    """How many process groups this module has created in this process (the soak test's count)."""
+    return _created[0]
 
 
 @dataclass(frozen=True)
@@ -76,8 +105,8 @@ def validate_for_job(plan: Plan, ep_size: int, num_experts: int) -> None:
 
 
 def build_plan_groups(plans: list[Plan], ep_group: dist.ProcessGroup) -> list[PlanGroups]:
-    """Create domain and rail groups for each plan (collective over the world, call on all ranks
-    with the same plans in the same order). Returns this rank's PlanGroups per plan."""
+    """Domain and rail groups for each plan, created unless cached (collective over the world, call on
+    all ranks with the same plans in the same order). Returns this rank's PlanGroups per plan."""
     ep_ranks = dist.get_process_group_ranks(ep_group)
     ep_size, me = len(ep_ranks), dist.get_rank()
     for plan in plans:
@@ -95,7 +124,7 @@ def build_plan_groups(plans: list[Plan], ep_group: dist.ProcessGroup) -> list[Pl
                     ranks = tuple(ep[i] for i in sorted(local))
                     # new_group is collective even for groups this rank is not in. Size-1 groups
                     # too: Megatron's dispatcher wants a real group for its EP argument.
-                    group = dist.new_group(list(ranks))
+                    group = group_of(ranks)
                     if me in ranks:
                         mine[kind] = (group, ranks)
         ep_rank = ep_ranks.index(me)

@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,7 @@ from megatron_hybridep.runtime.logs import warn_once
 log = logging.getLogger("hybridep.scheduler")
 
 BLOCKING_PHASES = BLOCKING
+HISTORY = 100  # decisions PlanScheduler.history keeps
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ class SchedulerConfig:
     overlap: bool = True      # all-reduce the statistics in the background; decide one iteration later
     replica_budget: int | None = 0  # hot-expert replicas per rank the scheduler may add to a prebuilt plan
                                     # (None: the experts a rank owns; 0: off, only prebuilt plans)
+    cycle_every: int = 0      # diagnostic (benchmarks/soak.py, no flag): instead of deciding by cost, switch
+                              # to the next candidate plan at every multiple of this many iterations
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,8 @@ class PlanScheduler:
     config: SchedulerConfig = field(default_factory=SchedulerConfig)
     bandwidth_gbps: dict[str, float] = field(default_factory=dict)
     routing: np.ndarray | None = None
-    history: list[Decision] = field(default_factory=list)
+    # the last decisions (for tests and debugging): bounded, a long run decides every `interval` iterations
+    history: deque[Decision] = field(default_factory=lambda: deque(maxlen=HISTORY))
     _streak: int = 0                    # consecutive checks that want to switch
     _samples: dict[str, list[float]] = field(default_factory=dict)  # per level, the last `window` rates
     _cache: tuple | None = None         # (inputs, Replan) of the last cost-model run
@@ -261,6 +266,10 @@ class PlanScheduler:
             self.network_factor = f
         return _scaled(topology, self.network_factor)
 
+    def plans_renumbered(self) -> None:
+        """The runtime forgot an adopted plan: the cached answer is keyed by the running plan's index."""
+        self._cache = None
+
     def candidates(self, model: CostModel) -> list[Plan]:
         """The prebuilt plans, plus a hot-replica variant of each plan without replicas once routing
         is measured and skewed (plan/hot.py): it needs no new group, so it is adopted on a switch."""
@@ -270,10 +279,31 @@ class PlanScheduler:
         hot = with_hot_plans(model, bases, self.config.replica_budget)[len(bases):]
         return list(self.runtime.plans) + [p for p in hot if p not in self.runtime.plans]
 
+    def _cycled(self, iteration: int, r: Replan) -> Replan:
+        """cycle_every: at every multiple of it, a prebuilt plan's hot variant after the plan itself (when
+        routing yields one), else the next prebuilt plan; no switch in between."""
+        if iteration % self.config.cycle_every:
+            return dataclasses.replace(r, switch=False, plan=self.runtime.plan, reason="cycle: not due")
+        current, prebuilt = self.runtime.plan, self.runtime.plans[:self.runtime.prebuilt]
+        bases = [p for p in prebuilt if not p.replicas] or prebuilt
+        key = (current.domains, current.rails)
+        here = next((i for i, b in enumerate(bases) if (b.domains, b.rails) == key), -1)
+        hot = {}
+        if self.config.replica_budget != 0 and self.routing is not None and not current.replicas:
+            workload = self.workload.replace(routing_counts=np.rint(self.routing).astype(np.int64))
+            model = CostModel(self.measured_topology(), workload)
+            variants = with_hot_plans(model, bases, self.config.replica_budget)[len(bases):]
+            hot = {(h.domains, h.rails): h for h in variants}
+        nxt = hot.get(key) or bases[(here + 1) % len(bases)]
+        return dataclasses.replace(r, switch=nxt != current, plan=nxt, reason=f"cycle every {self.config.cycle_every}")
+
     def decide(self, iteration: int) -> Decision:
         r = self._costed()
         switched = False
-        if r.switch and r.current_seconds - r.best_seconds < self.config.min_gain * r.current_seconds:
+        cycling = self.config.cycle_every > 0
+        if cycling:
+            r = self._cycled(iteration, r)
+        elif r.switch and r.current_seconds - r.best_seconds < self.config.min_gain * r.current_seconds:
             r = dataclasses.replace(r, switch=False, plan=self.runtime.plan, reason=(
                 f"{r.plan.label} predicted only {1 - r.best_seconds / r.current_seconds:.1%} faster per step "
                 f"(< min_gain {self.config.min_gain:.0%})"))
@@ -282,7 +312,7 @@ class PlanScheduler:
             # variants of one base differ check to check as routing moves: keying on them never settles)
             self._streak += 1
             ready = all(len(v) >= self.config.window for v in self._samples.values())
-            if self._streak >= self.config.patience and ready:
+            if cycling or (self._streak >= self.config.patience and ready):
                 warn_once(log, "hybridep scheduler, iteration %d: switching %s -> %s (%s; predicted %.4g s -> %.4g s "
                     "per iteration; measured bandwidth %s Gbit/s per rank, compute %s s per iteration)",
                     iteration, self.runtime.plan.label, r.plan.label, r.reason, r.current_seconds, r.best_seconds,
