@@ -18,8 +18,8 @@ PRESET = os.path.join(REPO, "configs", "presets", "cpu_demo.yaml")
 COMMON = ["--train-iters", "6", "--log-interval", "100", "--lr-warmup-iters", "1"]
 
 
-def _train(ctx, argv, marker=None, kill_at=None):
-    """cpu_loop.run; with ``marker``, rank 1 SIGKILLs itself after iteration ``kill_at`` unless the
+def _train(ctx, argv, marker=None, kill_at=None, sig=signal.SIGKILL):
+    """cpu_loop.run; with ``marker``, rank 1 sends itself ``sig`` after iteration ``kill_at`` unless the
     marker file exists (it creates it first: the fault happens on the first attempt only)."""
     from megatron_hybridep.megatron.arguments import parse
     from megatron_hybridep.train import cpu_loop
@@ -27,13 +27,17 @@ def _train(ctx, argv, marker=None, kill_at=None):
     def hit(iteration, seconds, decision):
         if marker and ctx.rank == 1 and iteration == kill_at and not os.path.exists(marker):
             open(marker, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), sig)
 
     return cpu_loop.run(parse(argv, default_config=PRESET), on_iteration=hit).losses
 
 
-def test_killed_rank_restarts_from_the_checkpoint_and_ends_with_the_undisturbed_losses(tmp_path):
-    full = run_ranks(_train, 4, COMMON, timeout=300)[0]
+@pytest.fixture(scope="module")
+def full():
+    return run_ranks(_train, 4, COMMON, timeout=300)[0]
+
+
+def test_killed_rank_restarts_from_the_checkpoint_and_ends_with_the_undisturbed_losses(tmp_path, full):
     ckpt, marker = str(tmp_path / "ckpt"), str(tmp_path / "killed")
     lines = []
     results, restarts = restart.run_with_restarts(
@@ -44,6 +48,19 @@ def test_killed_rank_restarts_from_the_checkpoint_and_ends_with_the_undisturbed_
     assert f"resuming from iteration 4 (the last complete checkpoint in {ckpt})" in lines[0], lines
     assert "time lost" in lines[0]
     assert results[0] == full[4:], (results[0], full)  # bit for bit: iterations 5 and 6 again
+
+
+def test_exit_signal_saves_on_the_way_down_and_the_resume_matches(tmp_path, full):
+    """Megatron's --exit-signal-handler in the CPU loop: SIGTERM to one rank after iteration 2; every
+    rank agrees in iteration 3, saves it and stops (exit 0: nothing to restart)."""
+    from megatron_hybridep.train.checkpoint import latest_iteration
+
+    ckpt = str(tmp_path / "ckpt")
+    stopped = run_ranks(_train, 4, [*COMMON, "--save", ckpt, "--save-interval", "100", "--exit-signal-handler"],
+                        str(tmp_path / "signalled"), 2, signal.SIGTERM, timeout=300)
+    assert [len(losses) for losses in stopped] == [3] * 4 and latest_iteration(ckpt) == 3
+    resumed = run_ranks(_train, 4, [*COMMON, "--load", ckpt], timeout=300)[0]
+    assert resumed == full[3:], (resumed, full)
 
 
 def test_restarts_exhausted_give_the_one_line_error_and_how_many(tmp_path):
