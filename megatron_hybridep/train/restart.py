@@ -21,8 +21,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from megatron_hybridep.runtime.reachability import looks_like_comm_failure
+from megatron_hybridep.train import launch
 from megatron_hybridep.train.checkpoint import TRACKER, latest_iteration
-from megatron_hybridep.train.launch import RankFailure, StallFailure, run_ranks
+from megatron_hybridep.train.launch import RankFailure, StallFailure
 
 RESTART_COUNT = ("TORCHELASTIC_RESTART_COUNT", "HYBRIDEP_RESTART_COUNT", "SLURM_RESTART_COUNT")
 MAX_RESTARTS = ("TORCHELASTIC_MAX_RESTARTS", "HYBRIDEP_MAX_RESTARTS")
@@ -120,7 +121,8 @@ def run_with_restarts(fn: Callable[..., Any], nproc: int, argv: Sequence[str], *
     while True:
         started = time.time()
         try:
-            return run_ranks(fn, nproc, current, *fn_args, **run_kwargs), attempt
+            # launch.run_ranks looked up here: the input tests stub it
+            return launch.run_ranks(fn, nproc, current, *fn_args, **run_kwargs), attempt
         except RankFailure as failure:
             failure.restarts, failure.restartable = attempt, is_fault(failure)
             if attempt >= max_restarts or not failure.restartable or not save:

@@ -54,7 +54,7 @@ def _alive_in_groups(pgids: list[int]) -> list[int]:
     return alive
 
 
-def _run(prefix: str, args: list, fault=None, timeout_s: float = 50):  # noqa: ANN001, ANN202
+def _run(prefix: str, args: list, fault=None, timeout_s: float = 90):  # noqa: ANN001, ANN202
     """Run pretrain_moe.py on a fresh 2-DC testbed; `fault(tb, group)` runs once rank 0 logged
     iteration OUTAGE_AT. Returns (result, seconds from the fault's start to the first error line or
     None, rank pids). Asserts the testbed and every rank process are gone afterwards."""
