@@ -208,6 +208,10 @@ def test_outage_longer_than_the_timeout_restarts_by_itself_with_the_same_losses(
             heal[0].start()
         else:  # when the restarted job is past the iteration the outage held up
             marks["restart"] = time.monotonic()
+            # the restart's start-up: parsed (before the rendezvous), planned (after it), trained again
+            for mark, line in (("parsed", "restarted by the launcher"), ("planned", r"\[pretrain_moe\] plan:")):
+                if group.wait_output(line, ranks=[0], timeout_s=120 + outage_s):
+                    marks[mark] = time.monotonic()
             if group.wait_output(rf" iter +{RESTART_SAVE_EVERY + 1}/", ranks=[0], timeout_s=120 + outage_s):
                 marks["resumed"] = time.monotonic()
             if group.wait_output(rf" iter +{RESTART_AT + 1}/", ranks=[0], timeout_s=120 + outage_s):
@@ -232,7 +236,8 @@ def test_outage_longer_than_the_timeout_restarts_by_itself_with_the_same_losses(
     lost = marks["past"] - marks["cut"]
     print(f"\n{outage_s:.0f} s WAN outage at iteration {RESTART_AT} (--save-interval {RESTART_SAVE_EVERY}, "
           f"--hybridep-stall-timeout {timeout}): ranks restarted {marks['restart'] - marks['cut']:.1f} s after the "
-          f"cut, trained again {marks['resumed'] - marks['cut']:.1f} s after it (iteration {RESTART_SAVE_EVERY + 1}), "
+          f"cut, parsed {marks['parsed'] - marks['cut']:.1f} s, met (planned) {marks['planned'] - marks['cut']:.1f} s, "
+          f"trained again {marks['resumed'] - marks['cut']:.1f} s after it (iteration {RESTART_SAVE_EVERY + 1}), "
           f"past iteration {RESTART_AT} {lost:.1f} s after it; job {elapsed:.1f} s vs undisturbed "
           f"{reference_s:.1f} s: {elapsed - reference_s:.1f} s lost, {elapsed - reference_s - outage_s:.1f} s beyond "
           f"the outage (step <= {step:.2f} s)")
