@@ -136,5 +136,5 @@ def run_with_restarts(fn: Callable[..., Any], nproc: int, argv: Sequence[str], *
             if len(cause) > 300:
                 cause = cause[:297] + "..."
             log(f"[pretrain_moe] restart {attempt}/{max_restarts}: {cause}; {where}; time lost {lost:.1f} s "
-                "since that checkpoint, plus this restart")
+                "(the work since the last checkpoint) plus this restart's start-up")
             current = with_load(argv, save) if resumed is not None else list(argv)

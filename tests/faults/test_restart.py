@@ -47,6 +47,7 @@ def test_killed_rank_restarts_from_the_checkpoint_and_ends_with_the_undisturbed_
     assert len(lines) == 1 and lines[0].startswith("[pretrain_moe] restart 1/1: rank "), lines
     assert f"resuming from iteration 4 (the last complete checkpoint in {ckpt})" in lines[0], lines
     assert "time lost" in lines[0]
+    print(lines[0])
     assert results[0] == full[4:], (results[0], full)  # bit for bit: iterations 5 and 6 again
 
 
