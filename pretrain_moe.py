@@ -75,6 +75,16 @@ def _launched_rank(argv: list[str]) -> int:
                           LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
     # every rank computes the same layout (a pure function of the flags); rank 0 says which
     args = _args(_with_layout(argv, int(os.environ["WORLD_SIZE"]), announce=os.environ.get("RANK") == "0"))
+    from megatron_hybridep.train import restart
+
+    try:  # before any collective: the launcher (torchrun, the sbatch loop) restarts ranks, not this process
+        restart.check_launched(args)
+    except ValueError as e:
+        print(f"pretrain_moe.py: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if restart.resume_on_restart(args) and os.environ.get("RANK") == "0":
+        print(f"[pretrain_moe] restarted by the launcher: resuming from {args.load or 'the start (no checkpoint)'}",
+              flush=True)
     if torch.cuda.is_available():
         from megatron_hybridep.train.gpu_pretrain import pretrain
 
@@ -82,11 +92,11 @@ def _launched_rank(argv: list[str]) -> int:
     from megatron_hybridep.train import cpu_loop
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    # No local launcher to watch progress: torch.distributed's own collective timeout, from the same flag.
+    # No local launcher to watch progress: torch.distributed's own collective timeout, from the same
+    # flag, on every group once the model is built (cpu_loop). Not on the rendezvous: a restarted rank
+    # waits there for its peers (and for the network to come back).
     stall = args.hybridep_stall_timeout
-    from datetime import timedelta
-
-    dist.init_process_group("gloo", **({"timeout": timedelta(seconds=stall)} if stall else {}))
+    dist.init_process_group("gloo")
     from megatron_hybridep.runtime import reachability
     from megatron_hybridep.train.launch import progress_status
 
@@ -210,20 +220,11 @@ def _short(path: str) -> str:
     return path.split("site-packages/")[-1].replace(REPO + "/", "")
 
 
-def _first_error(failure) -> str:  # noqa: ANN001
-    """The root cause among the ranks' reports: the lowest rank that raised (not one stopped after it)."""
-    for rank in sorted(failure.reports):
-        lines = [x for x in failure.reports[rank].strip().splitlines() if x.strip()]
-        if lines and not lines[0].startswith(("stopped after", "waiting for")):
-            last = next((x for x in reversed(lines) if x and not x.startswith(" ")), lines[-1])
-            return f"rank {rank}: {last.strip()}"
-    return "every rank stopped; " + failure.reports[min(failure.reports)].splitlines()[0]
-
-
 def main(argv: list[str]) -> int:
     if "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ:
         return _launched_rank(argv)
-    from megatron_hybridep.train.launch import RankFailure, StallRule, run_ranks
+    from megatron_hybridep.train import restart
+    from megatron_hybridep.train.launch import RankFailure, StallRule
 
     args = None
     try:
@@ -233,6 +234,7 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"--hybridep-nproc {nproc}: fix: at least 1 rank")
         argv = _with_layout(argv, nproc, announce=True)  # the ranks parse the final flags
         args = _args(argv)
+        restart.check_flags(args)
         preflight(args, nproc)
     except SystemExit as e:  # argparse already printed its one-line usage error
         return int(e.code or 0)
@@ -245,11 +247,18 @@ def main(argv: list[str]) -> int:
     stall = args.hybridep_stall_timeout
     rule = None if stall == 0 else StallRule(fixed=stall)
     try:
-        summaries = run_ranks(_rank_main, nproc, argv, timeout=float(os.environ.get("HYBRIDEP_TIMEOUT", 3600)),
-                              stall=rule)
+        summaries, restarts = restart.run_with_restarts(
+            _rank_main, nproc, argv, max_restarts=args.hybridep_max_restarts, save=args.save,
+            log=lambda line: print(line, flush=True), timeout=float(os.environ.get("HYBRIDEP_TIMEOUT", 3600)),
+            stall=rule)
     except RankFailure as e:
         report = _save_report(str(e))
-        print(f"pretrain_moe.py: error: {_first_error(e)} (every rank's report: {report})", file=sys.stderr)
+        n = getattr(e, "restarts", 0)
+        after = (f"; after {n} restart{'s' if n != 1 else ''}" if n else "") + (
+            "; not restarted: an error of the run itself, not a fault (a restart would repeat it)"
+            if args.hybridep_max_restarts and not getattr(e, "restartable", True) else "")
+        print(f"pretrain_moe.py: error: {restart.root_cause(e)}{after} (every rank's report: {report})",
+              file=sys.stderr)
         return 1
     s = summaries[0]
     from megatron_hybridep.train.data import corpus, source
@@ -269,6 +278,8 @@ def main(argv: list[str]) -> int:
               f"{s.tokens_per_s:.0f} tokens/s")
     print(f"  inter-DC traffic   {s.inter_dc_bytes / 1e6:.2f} MB in total")
     print(f"  wall time          {s.wall_s:.1f} s")
+    if restarts:
+        print(f"  restarts           {restarts} (from the last checkpoint in {args.save})")
     return 0
 
 

@@ -125,18 +125,26 @@ def stand_ins(bin_dir: Path, out: Path) -> None:
         "#!/bin/bash\n"
         f'[ "$1 $2" = "show hostnames" ] && [ "$3" = "$SLURM_JOB_NODELIST" ] || exit 3\n'
         f"printf '%s\\n' {' '.join(HOSTS)}\n")
+    # srun also appends one line per call (restart count, max restarts, port) to srun.calls and exits
+    # with the next code listed in srun.exits (0 once the list is used up)
     (bin_dir / "srun").write_text(
         "#!/bin/bash\n"
         f'printf "%s\\0" "$@" > {shlex.quote(str(out / "srun.args"))}\n'
         f'printf "%s\\n" "$MASTER_ADDR" "$MASTER_PORT" "$CUDA_DEVICE_MAX_CONNECTIONS" '
-        f'> {shlex.quote(str(out / "srun.env"))}\n')
+        f'> {shlex.quote(str(out / "srun.env"))}\n'
+        'echo "$HYBRIDEP_RESTART_COUNT $HYBRIDEP_MAX_RESTARTS $MASTER_PORT"'
+        f' >> {shlex.quote(str(out / "srun.calls"))}\n'
+        f'exits={shlex.quote(str(out / "srun.exits"))}\n'
+        '[ -s "$exits" ] || exit 0\n'
+        'code=$(head -n 1 "$exits"); sed -i 1d "$exits"; exit "$code"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
 
 
-def run_sbatch(tmp_path: Path, env_changes: dict[str, str | None], *script_args: str) -> subprocess.CompletedProcess:
+def run_sbatch(tmp_path: Path, env_changes: dict[str, str | None], *script_args: str,
+               mkdir: bool = True) -> subprocess.CompletedProcess:
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
-    out.mkdir()
+    out.mkdir(exist_ok=not mkdir)
     stand_ins(bin_dir, out)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(ALLOCATION, PATH=f"{bin_dir}:{env['PATH']}", HYBRIDEP_REPO=str(REPO), PYTHON="python3",
@@ -190,3 +198,56 @@ def test_sbatch_stops_with_a_message(tmp_path, change, message):
 def test_sbatch_shellcheck():
     result = subprocess.run(["shellcheck", "-S", "warning", str(SBATCH)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+def _calls(tmp_path: Path) -> list[str]:
+    return (tmp_path / "out" / "srun.calls").read_text().splitlines()
+
+
+def test_sbatch_reruns_a_failed_step_with_the_restart_count(tmp_path, allocation):
+    """--hybridep-max-restarts 2: the step fails once (a fault, exit 1) and is run again with
+    HYBRIDEP_RESTART_COUNT=1 (pretrain_moe.py then loads --save) on the next port; the flag goes on."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "srun.exits").write_text("1\n")
+    flags = ["--save", "ckpt", "--save-interval", "10", "--hybridep-max-restarts", "2"]
+    result = run_sbatch(tmp_path, {}, *flags, mkdir=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    port = 20000 + 4242 % 20000
+    assert _calls(tmp_path) == [f"0 2 {port}", f"1 2 {port + 1}"]
+    assert re.search(r"\[sbatch\] restart 1/2: the srun step failed with exit code 1 after \d+ s; running it again",
+                     result.stderr), result.stderr
+    argv = (tmp_path / "out" / "srun.args").read_text().split("\0")[:-1]
+    assert argv[-len(flags):] == flags
+    # what pretrain_moe.py does with that environment: resume from --save, the flag agreeing with the loop
+    from megatron_hybridep.train import restart
+
+    args = parse(argv[argv.index("python3") + 2:])
+    restart.check_launched(args, {"HYBRIDEP_MAX_RESTARTS": "2"})
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("10")
+    args.save = str(tmp_path / "ckpt")
+    assert restart.resume_on_restart(args, {"HYBRIDEP_RESTART_COUNT": "1"}) == 1 and args.load == args.save
+
+
+@pytest.mark.parametrize(("max_restarts", "exits", "calls", "message"), [
+    ("1", "1\n1\n", 2, r"the srun step failed with exit code 1; after 1 restart\(s\)"),
+    ("3", "2\n", 1, r"exit code 2 is bad input, a rerun would repeat it"),
+    (None, "1\n", 1, None),  # no restarts asked for: the step's failure is the job's, as before
+])
+def test_sbatch_stops_when_restarts_are_used_up_or_pointless(tmp_path, allocation, max_restarts, exits, calls,
+                                                             message):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "srun.exits").write_text(exits)
+    flags = [] if max_restarts is None else [f"--hybridep-max-restarts={max_restarts}"]
+    result = run_sbatch(tmp_path, {}, *flags, mkdir=False)
+    assert result.returncode == int(exits[0]) and len(_calls(tmp_path)) == calls, result.stderr
+    if message:
+        assert re.search(message, result.stderr), result.stderr
+    else:
+        assert "[sbatch] error" not in result.stderr and "restart" not in result.stderr
+
+
+def test_sbatch_rejects_a_bad_restart_count(tmp_path, allocation):
+    result = run_sbatch(tmp_path, {}, "--hybridep-max-restarts", "many")
+    assert result.returncode == 1 and "--hybridep-max-restarts 'many'; fix: an integer >= 0" in result.stderr
+    assert not (tmp_path / "out" / "srun.args").exists()

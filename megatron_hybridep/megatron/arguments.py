@@ -104,6 +104,10 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="seconds without progress after which a rank counts as stalled and the job fails naming "
                         "it (default: max(60, 10 x median measured step, 3 x predicted step); 0 = off; under "
                         "torchrun/srun it sets torch.distributed's collective timeout)")
+    g.add_argument("--hybridep-max-restarts", type=_count, default=0,
+                   help="after a dead or stalled rank or a failed collective, restart every rank from the last "
+                        "complete checkpoint (--save) up to N times (default 0: the job fails); under torchrun "
+                        "use torchrun --max-restarts N (docs/reliability.md)")
     g.add_argument("--hybridep-nproc", type=int, default=4,
                    help="ranks to launch on this machine when not started by torchrun/srun (CPU, gloo)")
     g.add_argument("--hybridep-synthetic-data", action="store_true",

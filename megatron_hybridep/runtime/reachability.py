@@ -180,13 +180,18 @@ def is_timeout(error: BaseException) -> bool:
     return "timed out" in str(error).lower()
 
 
+def looks_like_comm_failure(text: str) -> bool:
+    """Whether an error's text is what gloo/torch.distributed say when a peer did not answer."""
+    text = text.lower()
+    return any(k in text for k in _COMM_FAILURE) or "distbackenderror" in text
+
+
 def is_comm_failure(error: BaseException) -> bool:
     """Whether an exception is a collective that a peer did not complete (timeout, lost connection)."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        text = str(error).lower()
-        if any(k in text for k in _COMM_FAILURE) or type(error).__name__ == "DistBackendError":
+        if looks_like_comm_failure(str(error)) or type(error).__name__ == "DistBackendError":
             return True
         error = error.__cause__ or error.__context__
     return False

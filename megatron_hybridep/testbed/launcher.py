@@ -337,6 +337,48 @@ def launch(tb: Network, cmd: Sequence[str] | Callable[[RankInfo], Sequence[str]]
     return start(tb, cmd, **options).wait()
 
 
+@dataclass
+class ElasticResult:
+    """Every start of an elastic launch; the job's outcome is the last one's."""
+
+    attempts: list[LaunchResult]
+
+    @property
+    def result(self) -> LaunchResult:
+        return self.attempts[-1]
+
+    @property
+    def ok(self) -> bool:
+        return self.result.ok
+
+    @property
+    def restarts(self) -> int:
+        return len(self.attempts) - 1
+
+
+def launch_elastic(tb: Network, cmd: Sequence[str] | Callable[[RankInfo], Sequence[str]], *, max_restarts: int,
+                   on_start: Callable[[RankGroup, int], None] | None = None, **options: Any) -> ElasticResult:
+    """What torchrun's elastic agent does with --max-restarts: start every rank; when one fails, stop
+    them all (fail-fast) and start them all again, at most ``max_restarts`` times. Each start's ranks
+    get HYBRIDEP_RESTART_COUNT (0, 1, ...) and HYBRIDEP_MAX_RESTARTS, from which pretrain_moe.py
+    resumes from its --save directory. ``on_start(group, attempt)`` runs after each start (e.g. a
+    test's fault); ``options`` as start()'s, each start getting the whole ``timeout_s``."""
+    user_env = options.pop("env", None)
+    attempts: list[LaunchResult] = []
+    for attempt in range(max_restarts + 1):
+        def env(info: RankInfo, attempt: int = attempt) -> dict[str, str]:
+            base = user_env(info) if callable(user_env) else dict(user_env or {})
+            return {**base, "HYBRIDEP_RESTART_COUNT": str(attempt), "HYBRIDEP_MAX_RESTARTS": str(max_restarts)}
+
+        with start(tb, cmd, env=env, **options) as group:
+            if on_start is not None:
+                on_start(group, attempt)
+            attempts.append(group.wait())
+        if attempts[-1].ok:
+            break
+    return ElasticResult(attempts)
+
+
 def python_cmd(script: str | Path, *args: object) -> list[str]:
     """[this interpreter, script, args...]: ranks run in the same venv as the caller."""
     return [sys.executable, str(script), *map(str, args)]

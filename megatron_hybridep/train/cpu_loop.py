@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import io
 import logging
+import signal
 import time
 from collections.abc import Callable
 from functools import partial
@@ -151,18 +152,30 @@ def run(args: argparse.Namespace, collect_params: bool = False,
     micro = args.global_batch_size // (args.micro_batch_size * ps.get_data_parallel_world_size())
     from megatron_hybridep.train.launch import progress  # the launcher's stall monitor (no-op elsewhere)
 
+    # Megatron's --exit-signal-handler: on the signal (SIGTERM: scancel, preemption, torchrun's stop)
+    # save and stop once every rank has agreed (an all-gather per iteration, only with the flag)
+    signalled = None
+    if args.exit_signal_handler:
+        from megatron.training.dist_signal_handler import DistributedSignalHandler
+
+        signalled = DistributedSignalHandler(args.exit_signal).__enter__()
+    stop = False
+
     def saves(done: int) -> bool:
         """Whether iteration ``done`` ends with a checkpoint: --save-interval, --exit-interval (as
-        Megatron does) or the last iteration."""
+        Megatron does), the exit signal or the last iteration."""
         if not args.save:
             return False
-        return done == args.train_iters or any(n and done % n == 0 for n in (args.save_interval, args.exit_interval))
+        return stop or done == args.train_iters or any(n and done % n == 0
+                                                       for n in (args.save_interval, args.exit_interval))
 
     save_seconds = 0.0
 
     def after_step(result: gpt.StepResult) -> Any:
-        nonlocal save_seconds
+        nonlocal save_seconds, stop
         lr_scheduler.step(increment=args.global_batch_size)
+        # here, where a save keeps the runtime's state exact (before its post-step)
+        stop = signalled is not None and any(signalled.signals_received())
         decision = scheduler.step(iteration + 1) if scheduler is not None else None  # reads the stats
         reporter.reduce(result.loss)  # resets the stats
         save_seconds = 0.0
@@ -192,6 +205,13 @@ def run(args: argparse.Namespace, collect_params: bool = False,
             on_iteration(iteration, seconds, decision)
         if args.exit_interval and iteration % args.exit_interval == 0:  # Megatron's --exit-interval
             break
+        if stop:
+            if rank == 0:
+                print(f"[pretrain_moe] {signal.Signals(args.exit_signal).name}: stopped after iteration {iteration}"
+                      + (f", saved to {args.save}" if args.save else " (no --save: nothing saved)"), flush=True)
+            break
+    if signalled is not None:
+        signalled.release()
     if scheduler is not None:
         scheduler.close()
     _sync_params(chunks)  # as Megatron's train() ends: the last step's parameters gathered

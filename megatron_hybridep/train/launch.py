@@ -128,6 +128,9 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, timeout: flo
                kwargs: dict) -> None:
     global _BEAT
     _BEAT = (*beat, rank, [])
+    # Its own process group: the helpers it starts (Megatron's checkpoint writer) are killed with it,
+    # even when it was SIGKILLed and they were left behind (a restart would pile them up)
+    os.setpgid(0, 0)
     os.environ.update(env)
     quiet_known_warnings()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -309,6 +312,11 @@ def _stop(procs: list, dump_first: bool) -> None:
     for p in alive:
         p.kill()
         p.join(timeout=5)
+    for p in procs:  # whatever each rank left in its group (its own exit or SIGKILL does not end them)
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _read(path: str) -> str:
