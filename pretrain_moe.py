@@ -177,6 +177,11 @@ def one_line(error: BaseException, args=None) -> str:  # noqa: ANN001
         line = " ".join(t.strip() for t in text)
         import re
 
+        if line.startswith("ep_size:") and args is not None:  # the planner's EP group against the world
+            flags = [f"--expert-model-parallel-size {args.expert_model_parallel_size}"]
+            if "WORLD_SIZE" not in os.environ and "SLURM_PROCID" not in os.environ:
+                flags.append(f"--hybridep-nproc {args.hybridep_nproc}")
+            return f"{' with '.join(flags)}: {line}"
         field = re.match(r"model\.(\w+):", line)  # the cost model's workload, built from flags
         if field and args is not None:
             name = next((n for n in (f"hybridep_{field.group(1)}", field.group(1)) if hasattr(args, n)), None)

@@ -72,6 +72,13 @@ def to_target(rows: list[tuple[int, float, float]], target: float, window: int, 
             "final": losses[-1], "clock": clock, "smoothed": losses, "median_step_s": typical}
 
 
+def chosen(text: str) -> str:
+    """What the job ran, from its log: the layout planner's layout and the plan (or "")."""
+    lay = re.search(r"\[layout\] running (TP\d+ PP\d+ EP\d+ DP\d+)", text)
+    plan = re.search(r"\[pretrain_moe\] plan: (\S+(?: \S+)?);", text)
+    return " / ".join(m.group(1) for m in (lay, plan) if m)
+
+
 def run_one(tb, flags: list[str], args: argparse.Namespace, topology: Path) -> list[tuple[int, float, float]]:  # noqa: ANN001
     from megatron_hybridep.testbed.launcher import python_cmd
 
@@ -84,6 +91,7 @@ def run_one(tb, flags: list[str], args: argparse.Namespace, topology: Path) -> l
     if not result.ok:
         raise RuntimeError(f"run failed: {' '.join(map(str, cmd))}\n{result.outputs[0][-3000:]}")
     rows = parse_log(text)
+    print(f"  ran: {chosen(result.outputs[0]) or 'alltoall'}", flush=True)
     if len(rows) != args.iters:
         raise RuntimeError(f"expected {args.iters} logged iterations, parsed {len(rows)}:\n{text[-2000:]}")
     return rows

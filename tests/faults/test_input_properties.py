@@ -93,7 +93,7 @@ HYBRIDEP_FLAGS = ["--hybridep-topology", "--hybridep-plan", "--hybridep-compress
                   "--hybridep-grad-compression-ratio", "--hybridep-shared-refresh-interval",
                   "--hybridep-residual-base", "--hybridep-throughput-tflops", "--hybridep-replan-interval",
                   "--hybridep-replan-horizon", "--hybridep-replan-replicas", "--hybridep-stall-timeout",
-                  "--hybridep-nproc", "--hybridep-dc-map"]
+                  "--hybridep-nproc", "--hybridep-dc-map", "--hybridep-max-restarts"]
 FLAG_VALUES = ["-1", "0", "0.5", "nan", "inf", "x", "", "3", "1e9", "/nonexistent.yaml", "slurm", "replicated"]
 
 
@@ -129,3 +129,12 @@ def test_mutated_hybridep_flag_works_or_is_one_line_before_any_rank(flag, value)
     assert rc == 2 and len(lines) == 1, (flag, value, err.getvalue())
     assert "Traceback" not in err.getvalue()
     assert flag in lines[0] or flag[2:].replace("-", "_") in lines[0], (flag, value, lines[0])
+
+
+def test_a_world_the_ep_size_does_not_divide_names_both_flags(capsys):
+    """--hybridep-nproc 3 with the preset's EP 4: the planner's "ep_size" is a flag's value."""
+    import pretrain_moe
+
+    assert pretrain_moe.main(["--hybridep-nproc", "3"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--expert-model-parallel-size 4 with --hybridep-nproc 3" in line and "fix" in line, line
