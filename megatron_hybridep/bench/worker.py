@@ -41,16 +41,6 @@ PREFIX = "BENCH "
 WAN_DEV = "wan0"
 
 
-def emit(event: str, unsent: list[dict[str, Any]], **fields: Any) -> None:
-    """Print an event (the log and the progress lines) and keep it in ``unsent`` for the next control
-    request: the parent decides on the control channel's copy, which cannot lag behind like a pipe
-    reader."""
-    record = {"event": event, **fields}
-    print(PREFIX + json.dumps(record), flush=True)
-    if event != "iter":
-        unsent.append(record)
-
-
 def wan_counters(dev: str = WAN_DEV) -> tuple[int, int]:
     """(tx_bytes, rx_bytes) of `dev` in this process's network namespace."""
     with open("/proc/net/dev") as f:
@@ -137,7 +127,12 @@ class Worker:
 
     # ---- control ------------------------------------------------------------------------------
     def emit(self, event: str, **fields: Any) -> None:
-        emit(event, self.unsent, **fields)
+        """Print an event (the log and the progress lines) and keep it for the next control request:
+        the parent decides on the control channel's copy, which cannot lag behind like a pipe reader."""
+        record = {"event": event, **fields}
+        print(PREFIX + json.dumps(record), flush=True)
+        if event != "iter":
+            self.unsent.append(record)
 
     def ask(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Rank 0 asks the parent; every rank gets the answer."""

@@ -9,11 +9,12 @@ the ranks that compute them).
    runs micro-batches under no_sync, then returned blocking or launched (``_launch_return``) and
    collected by ``flush_owed`` before Megatron reduces gradients;
 4. ``drop()``: a plan switch or a stale prefetch forgets what is in flight and held.
-Subclasses implement ``start``, ``_launch_return``, ``drop`` and ``current_step``."""
+Subclasses implement the abstract ``start``, ``_launch_return``, ``drop`` and ``current_step``."""
 
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,7 +41,7 @@ def expert_major(named: Sequence[tuple[str, torch.nn.Parameter]], num_local: int
     return [(name, p) for _, _, name, p in keyed]
 
 
-class ExpertExchange:
+class ExpertExchange(ABC):
     """One MoE layer's experts moved to other ranks under one plan (module doc).
 
     Args:
@@ -72,20 +73,22 @@ class ExpertExchange:
                                  self._launch_return, asynchronous if hold else None)
         self.wgrad = FusedWgrad(fuse_wgrad)
 
+    @abstractmethod
     def current_step(self) -> int:
         """The runtime's optimizer-step count (part of the parameters' version)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def start(self) -> None:
-        raise NotImplementedError
+        """Launch the weights' collective (a no-op when one for the current version is in flight or held)."""
 
+    @abstractmethod
     def drop(self) -> None:
-        raise NotImplementedError
+        """Forget what is in flight and held (plan switch, stale prefetch)."""
 
+    @abstractmethod
     def _launch_return(self, grad: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Start returning ``grad`` (the copies' gradient, flat) to the owners; the function returned
         waits and gives this rank's own experts' share, flat."""
-        raise NotImplementedError
 
     def version(self) -> tuple[int, ...]:
         return version_key(self.params, self.current_step())
