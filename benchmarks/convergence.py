@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import re
 import statistics
 import sys
 import time
@@ -48,6 +49,20 @@ def upcycle(model, seed: int, noise: float) -> None:
                         q.copy_(base + noise * q)
 
 
+_RATIOS = re.compile(r"^(?:w(?P<w>\d+(?:\.\d+)?))?(?:g(?P<g>\d+(?:\.\d+)?))?$")
+
+
+def system_config(system: str, refresh: int = 10):  # noqa: ANN201 - MigrationConfig, or None for a named system
+    """'w10' = weights at 10x (shared + residual), 'g50' = returned gradients at 50x (top-k + error
+    feedback), 'w50g50' = both; None for the named systems (alltoall, exact, shared, topk, ...)."""
+    from megatron_hybridep.runtime.migration import MigrationConfig
+
+    m = _RATIOS.match(system)
+    if not system or m is None:
+        return None
+    return MigrationConfig(float(m["w"] or 1), float(m["g"] or 1), True, refresh)
+
+
 def train(ctx, system: str, steps: int, ratio: float, grad_ratio: float, refresh: int, seed: int,
           vocab: int, order: int, init: str, data: str | None = None, model: dict | None = None):
     from megatron_hybridep.data.synthetic import MarkovCorpus
@@ -62,7 +77,7 @@ def train(ctx, system: str, steps: int, ratio: float, grad_ratio: float, refresh
                       dispatcher="alltoall" if system == "alltoall" else "hybridep", **(model or {}))
     initialize_parallel(args)
     if system != "alltoall":
-        migration = {"exact": MigrationConfig(),
+        migration = system_config(system) or {"exact": MigrationConfig(),
                      "shared": MigrationConfig(ratio, grad_ratio, True, refresh),
                      "topk": MigrationConfig(ratio, grad_ratio, False, refresh),
                      "shared-stateless": MigrationConfig(ratio, grad_ratio, True, refresh, incremental=False),
@@ -128,6 +143,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--vocab {a.vocab}: text is read as bytes, which needs --vocab 256 or more")
     if a.systems.split(",")[0] != "alltoall":
         p.error("--systems must start with alltoall (the reference)")
+    named = {"alltoall", "exact", "shared", "topk", "shared-stateless", "topk-stateless"}
+    bad = [s for s in a.systems.split(",") if s not in named and (not s or _RATIOS.match(s) is None)]
+    if bad:
+        p.error(f"--systems: unknown {', '.join(bad)}; use {', '.join(sorted(named))} or wRgR (e.g. w10, g50, w50g50)")
     if a.experts % RANKS or not 1 <= a.topk <= a.experts:
         p.error(f"--experts must be a multiple of the {RANKS} ranks and --topk between 1 and --experts")
     a.model = dict(num_layers=a.layers, num_experts=a.experts, topk=a.topk, seq_length=a.seq_length)
@@ -214,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
              "shared": f"HybridEP {a.ratio:g}x shared+residual", "topk": f"HybridEP {a.ratio:g}x plain top-k",
              "shared-stateless": f"HybridEP {a.ratio:g}x shared+residual, stateless",
              "topk-stateless": f"HybridEP {a.ratio:g}x plain top-k, stateless"}
+    for s in systems:
+        if s not in names:
+            m = _RATIOS.match(s)
+            parts = ([f"weights {m['w']}x"] if m["w"] else []) + ([f"gradients {m['g']}x"] if m["g"] else [])
+            names[s] = "HybridEP " + " + ".join(parts)
     for s in systems:
         deltas = [(final((s, seed)) - final(("alltoall", seed))) / final(("alltoall", seed)) * 100 for seed in seeds]
         sd = statistics.stdev(deltas) if len(deltas) > 1 else 0.0
