@@ -11,11 +11,12 @@ Systems (each with --overlap-grad-reduce, as a Megatron user runs it):
 - pp: one pipeline stage per DC, EP inside it;    --ratio (shared + top-k, top-k + error feedback);
 - auto: --hybridep-layout auto.
 The target is the loss alltoall EP reaches at its last iteration; every curve is a moving mean over
---window logged iterations (one iteration's loss on one batch is noisy). ep, hybridep and
-hybridep-c start from the same initialisation (exact HybridEP reproduces EP); replicated, pp and
-auto lay the experts out differently, so Megatron's per-EP-rank RNG initialises their experts
-differently (same seed, same data order). Wall clock = the sum of the logged step times (start-up
-and the first --warmup iterations' extra time excluded). Systems alternate in a repeat, the order
+--window logged iterations (one iteration's loss on one batch is noisy). Every system starts from
+the same model (--hybridep-layout-independent-init: weights drawn from the seed and their global
+layer and expert index, not Megatron's per-stage and per-EP-rank RNG) and sees the same global
+batches, so exact HybridEP reproduces EP and the layouts differ only by summation order and the
+per-micro-batch load-balancing loss. Wall clock = the sum of the logged step times (start-up and
+the first --warmup iterations' extra time excluded). Systems alternate in a repeat, the order
 reversed every other repeat.
 """
 
@@ -84,7 +85,8 @@ def run_one(tb, flags: list[str], args: argparse.Namespace, topology: Path) -> l
 
     cmd = python_cmd(REPO / "pretrain_moe.py", *MODEL, "--global-batch-size", str(args.global_batch),
                      "--train-iters", str(args.iters), "--lr-warmup-iters", str(max(1, args.iters // 20)),
-                     "--log-interval", "1", "--seed", str(args.seed), "--data-path", args.data_path,
+                     "--log-interval", "1", "--seed", str(args.seed), "--hybridep-layout-independent-init",
+                     "--data-path", args.data_path,
                      "--split", "100,0,0", "--hybridep-topology", topology, *flags)
     result = tb.launch(cmd, timeout_s=args.timeout, cwd=REPO)
     text = next((o for o in result.outputs if LINE.search(o)), result.outputs[0])

@@ -174,11 +174,11 @@ def stage_plan(topology: Topology, pp: int, ep: int, num_experts: int) -> Plan:
 
 
 def choose_layout(topology: Topology, workload: Workload) -> LayoutResult:
-    """The bench's ``auto`` system: the layout planner's fastest layout that fits, without tensor
-    parallelism (the bench's CPU ranks run none). ``workload``: the PP 1 systems' (plan/layout.py)."""
-    from megatron_hybridep.plan.layout import plan_layouts
+    """The bench's ``auto`` system: the layout planner's choice among the layouts that fit without
+    tensor parallelism (the bench's CPU ranks run none). ``workload``: the PP 1 systems' (plan/layout.py)."""
+    from megatron_hybridep.plan.layout import plan_layouts, prefer_megatron
 
-    runnable = [r for r in plan_layouts(topology, workload) if r.fits and r.layout.tp == 1]
+    runnable = prefer_megatron([r for r in plan_layouts(topology, workload) if r.fits and r.layout.tp == 1])
     if not runnable:
         raise PlanError(f"auto: no layout without tensor parallelism fits {topology.describe()}; fix: drop auto from "
                         "--systems")

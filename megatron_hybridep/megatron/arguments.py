@@ -95,6 +95,10 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="with borrowed copies per iteration: launch the return of their gradients in the last "
                         "backward and collect it before Megatron's reduction (overlaps the rest of the backward; "
                         "the cost model still prices it blocking)")
+    g.add_argument("--hybridep-layout-independent-init", action="store_true",
+                   help="draw every weight from --seed and its global layer and expert index, so every TP/PP/EP "
+                        "layout starts from the same model (Megatron's own init differs per stage and EP rank); "
+                        "for comparing layouts by loss")
     g.add_argument("--hybridep-fp64", action="store_true",
                    help="CPU only: float64 parameters and gradients (exactness checks against alltoall)")
     g.add_argument("--hybridep-log-plan", action="store_true", help="print every candidate plan at start-up")

@@ -1,6 +1,6 @@
 """The layout planner: which Megatron layout (TP, PP, EP, DP) to run, and which HybridEP plan in it.
 
-    results = plan_layouts(topology, workload)   # every admitted layout, fastest first
+    results = plan_layouts(topology, workload)   # every admitted layout, the choice first
     results[0].layout.flags()                     # the Megatron flags of the choice
     print(format_layouts(results))                # `hybridep plan --layout auto`
 
@@ -29,7 +29,7 @@ plan/pipeline.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron_hybridep.plan.cost import bytes_human, seconds_human
@@ -204,16 +204,36 @@ def plan_layout(topology: Topology, workload: Workload, layout: Layout, *,
     return LayoutResult(layout, w, best, megatron, hybrid, tp_seconds(topology, w), least)
 
 
-def plan_layouts(topology: Topology, workload: Workload, *,
-                 memory_limit_bytes: float | None = None) -> list[LayoutResult]:
+# HybridEP is chosen only when predicted this much faster than the best plain Megatron layout: the
+# cost model's error on the testbed is of this order (docs/results.md), and a plain layout carries
+# none of HybridEP's own overheads or risks, so a tie goes to Megatron.
+PREFER_MEGATRON_WITHIN = 0.05
+
+
+def prefer_megatron(results: list[LayoutResult], margin: float = PREFER_MEGATRON_WITHIN) -> list[LayoutResult]:
+    """``results`` (fastest first) with the choice first: the fastest, unless it needs hybridep and the
+    best layout without hybridep is predicted within ``margin`` of it; that layout then comes first,
+    running its plain Megatron plan (its ``best`` is its ``megatron`` candidate)."""
+    fit = [r for r in results if r.fits]
+    base = best_megatron(fit)
+    if not fit or not fit[0].hybridep or base is None or base.megatron_step > fit[0].step * (1 + margin):
+        return results
+    plain = replace(base, best=base.megatron)
+    return [plain, *(r for r in results if r is not base)]
+
+
+def plan_layouts(topology: Topology, workload: Workload, *, memory_limit_bytes: float | None = None,
+                 prefer_megatron_within: float = PREFER_MEGATRON_WITHIN) -> list[LayoutResult]:
     """Every layout the topology admits with its best plan; those that fit first, fastest first, then
-    those that do not fit, smallest first. ``workload``: the plain layout's (module doc)."""
+    those that do not fit, smallest first; the choice first (``prefer_megatron``). ``workload``: the
+    plain layout's (module doc)."""
     results = [plan_layout(topology, workload, lay, memory_limit_bytes=memory_limit_bytes)
                for lay in enumerate_layouts(topology, workload)]
     if not results:
         raise PlanError(f"layout: no layout fits the shape of {topology.describe()} with {workload.layers} layers and "
                         f"{workload.num_experts} experts; fix: check the model's layer and expert counts")
-    return sorted(results, key=lambda x: (not x.fits, x.step, x.memory, x.layout.pp, x.layout.tp, -x.layout.ep))
+    ordered = sorted(results, key=lambda x: (not x.fits, x.step, x.memory, x.layout.pp, x.layout.tp, -x.layout.ep))
+    return prefer_megatron(ordered, prefer_megatron_within)
 
 
 def best_megatron(results: list[LayoutResult]) -> LayoutResult | None:
@@ -237,8 +257,13 @@ def verdict(results: list[LayoutResult]) -> str:
     best, base = fit[0], best_megatron(results)
     if not best.hybridep:
         h = min((r for r in fit if r.hybrid), key=lambda r: r.hybrid_step, default=None)
-        tail = (f"; the fastest hybridep plan, {_name(h, h.hybrid)}, takes {seconds_human(h.hybrid_step)} "
-                f"({h.hybrid_step / best.step:.2f}x slower)" if h else "; no hybridep plan fits")
+        if h and h.hybrid_step < best.step:
+            tail = (f"; the fastest hybridep plan, {_name(h, h.hybrid)}, is predicted only "
+                    f"{best.step / h.hybrid_step:.2f}x faster ({seconds_human(h.hybrid_step)}), within the margin "
+                    f"that goes to plain Megatron (default {PREFER_MEGATRON_WITHIN:.0%}: the cost model's error)")
+        else:
+            tail = (f"; the fastest hybridep plan, {_name(h, h.hybrid)}, takes {seconds_human(h.hybrid_step)} "
+                    f"({h.hybrid_step / best.step:.2f}x slower)" if h else "; no hybridep plan fits")
         return (f"hybridep does not pay here: the best layout is a plain Megatron one, {_name(best, best.best)} "
                 f"({seconds_human(best.step)}){tail}")
     if base is None:
@@ -292,5 +317,6 @@ def format_layouts(results: list[LayoutResult], top: int | None = None) -> str:
     return "\n".join(out)
 
 
-__all__ = ["Layout", "LayoutResult", "best_megatron", "enumerate_layouts", "format_layouts", "is_hybridep",
-           "layout_workload", "plan_layout", "plan_layouts", "tp_seconds", "verdict"]
+__all__ = ["PREFER_MEGATRON_WITHIN", "Layout", "LayoutResult", "best_megatron", "enumerate_layouts", "format_layouts",
+           "is_hybridep",
+           "layout_workload", "plan_layout", "plan_layouts", "prefer_megatron", "tp_seconds", "verdict"]

@@ -83,7 +83,9 @@ def build_model(args: argparse.Namespace) -> tuple[list[Any], Any, Any, Any]:
     config = core_transformer_config_from_args(args)
     spec = gpt.layer_spec(args.num_experts, qk_layernorm=args.qk_layernorm)
     chunks = gpt.build_chunks(config, spec, get_megatron_ddp_config(args), params_dtype=args.params_dtype,
-                              virtual_stages=args.virtual_pipeline_model_parallel_size, **gpt.model_kwargs(args))
+                              virtual_stages=args.virtual_pipeline_model_parallel_size,
+                              init_seed=args.seed if args.hybridep_layout_independent_init else None,
+                              **gpt.model_kwargs(args))
     opt_config, overrides = get_megatron_optimizer_config(args)
     optimizer = get_megatron_optimizer(opt_config, chunks, config_overrides=overrides)
     scheduler = get_optimizer_param_scheduler(optimizer)

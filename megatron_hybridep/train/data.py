@@ -30,14 +30,18 @@ def train_batches(args: argparse.Namespace, start_iteration: int = 0) -> Iterato
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     micro = args.global_batch_size // (args.micro_batch_size * dp_size)
     kind = source(args)
-    if kind == "synthetic":
-        c = corpus(args)
-        step = start_iteration * micro
-        while True:
-            yield c.batch(args.micro_batch_size, args.seq_length, dp_rank, step)
-            step += 1
-    dataset = _megatron_dataset(args, kind)
     sample = start_iteration * args.global_batch_size
+    if kind == "synthetic":
+        # one sequence per global sample index, in Megatron's order (below): every layout (DP size,
+        # micro-batches) trains on the same global batches
+        c = corpus(args)
+        while True:
+            for m in range(micro):
+                first = sample + (m * dp_size + dp_rank) * args.micro_batch_size
+                rows = [c.batch(1, args.seq_length, 0, first + j) for j in range(args.micro_batch_size)]
+                yield torch.cat([t for t, _ in rows]), torch.cat([lab for _, lab in rows])
+            sample += args.global_batch_size
+    dataset = _megatron_dataset(args, kind)
     while True:
         # Megatron's order: a global batch is dp_size * micro micro-batches; this rank's micro-batch
         # m takes samples [m*dp*mbs + dp_rank*mbs, ... + mbs).

@@ -138,10 +138,13 @@ def gpt_model(config: Any, spec: Any, *, vocab_size: int, max_sequence_length: i
 
 
 def build_chunks(config: Any, spec: Any, ddp_config: Any, *, params_dtype: Any, virtual_stages: int | None = None,
-                 **model: Any) -> list[Any]:
+                 init_seed: int | None = None, **model: Any) -> list[Any]:
     """The CPU model builder (pretrain_gpt.py + megatron.training.get_model): one ``gpt_model``
     chunk per virtual pipeline stage of this rank, each wrapped in Megatron's DDP with the dense
-    weights broadcast over data-parallel ranks. ``model``: gpt_model's keyword arguments."""
+    weights broadcast over data-parallel ranks. ``model``: gpt_model's keyword arguments.
+    ``init_seed``: redraw the weights layout-independently from it (train/init.py)."""
+    from megatron_hybridep.train.init import reinitialize
+
     from megatron.core.distributed import DistributedDataParallel
 
     chunks = []
@@ -149,6 +152,8 @@ def build_chunks(config: Any, spec: Any, ddp_config: Any, *, params_dtype: Any, 
         vp_stage = stage if virtual_stages else None
         with _default_dtype(params_dtype):  # torch's norms ignore config.params_dtype (float64)
             module = gpt_model(config, spec, vp_stage=vp_stage, **model)
+        if init_seed is not None:
+            reinitialize(module, config, init_seed)
         module.vp_stage = vp_stage
         chunk = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
                                         disable_bucketing=stage > 0)

@@ -33,8 +33,13 @@ def _model_provider(pre_process: bool = True, post_process: bool = True, vp_stag
         setup_from_args(args, torch.distributed.get_world_size(), parallel_state.get_expert_model_parallel_group())
     spec = gpt.layer_spec(args.num_experts, qk_layernorm=args.qk_layernorm, grouped_gemm=args.moe_grouped_gemm,
                           transformer_engine=args.transformer_impl == "transformer_engine")
-    return gpt.gpt_model(config, spec, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                         **gpt.model_kwargs(args))
+    model = gpt.gpt_model(config, spec, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                          **gpt.model_kwargs(args))
+    if args.hybridep_layout_independent_init:
+        from megatron_hybridep.train.init import reinitialize
+
+        reinitialize(model, config, args.seed)
+    return model
 
 
 def _masked_loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:

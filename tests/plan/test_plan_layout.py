@@ -14,6 +14,7 @@ from megatron_hybridep.plan.layout import (
     format_layouts,
     is_hybridep,
     plan_layouts,
+    prefer_megatron,
     tp_seconds,
 )
 from megatron_hybridep.plan.topology import GBPS, Level, Topology
@@ -150,6 +151,23 @@ def test_hybridep_wins_when_tokens_dominate_and_experts_are_small():
     text = format_layouts(res)
     assert "hybridep pays" in text and "does not pay" not in text
     assert text.splitlines()[2].startswith("*") and best.layout.label in text.splitlines()[2]
+
+
+def test_a_tie_goes_to_the_plain_megatron_layout():
+    # the hybridep-wins workload: hybridep is predicted > 1.3x faster than any plain layout. With a
+    # margin above that gap the plain layout is chosen, running its plain plan; below it, hybridep
+    w = small(hidden_size=512, ffn_hidden_size=256, num_experts=8, top_k=2, num_moe_layers=2,
+              tokens_per_rank=16384, micro_batches=1)
+    fastest = plan_layouts(dcs(4, 2, wan=1.0), w, prefer_megatron_within=0.0)
+    assert fastest[0].hybridep
+    gap = min(r.megatron_step for r in fastest) / fastest[0].step - 1
+    assert prefer_megatron(fastest, gap * 0.99)[0] is fastest[0]
+    tied = plan_layouts(dcs(4, 2, wan=1.0), w, prefer_megatron_within=gap * 1.01)
+    assert not tied[0].hybridep and tied[0].best is tied[0].megatron
+    assert tied[0].step == pytest.approx(min(r.megatron_step for r in fastest))
+    assert len(tied) == len(fastest) and fastest[0] in tied  # reordered, nothing lost
+    assert {r.layout for r in tied} == {r.layout for r in fastest}
+    assert f"{fastest[0].best.plan.label}" in format_layouts(tied) and "within the" in format_layouts(tied)
 
 
 def test_flags_name_the_layout_for_megatron():
