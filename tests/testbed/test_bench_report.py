@@ -66,3 +66,9 @@ def test_layout_targets_compare_with_the_best_megatron_layout_per_point():
     assert checks["auto layout vs the best Megatron layout measured"].ok
     near = checks["auto layout within 5% of the fastest other system at every point"]
     assert not near.ok and near.detail.startswith("1/2")  # point 1: 5.5 s against HybridEP's 5.0 s
+    assert checks["auto layout within 5% of the fastest exact system at every point"].detail.startswith("1/2")
+    # compression is not auto's to choose: a faster HybridEP-c misses only the check against every system
+    rows += [_timed("hybridep-compressed", 0, 1.0)]
+    checks = {c.name: c for c in br.layout_targets(rows)}
+    assert checks["auto layout within 5% of the fastest exact system at every point"].detail.startswith("1/2")
+    assert checks["auto layout within 5% of the fastest other system at every point"].detail.startswith("0/2")
