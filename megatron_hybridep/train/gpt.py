@@ -143,9 +143,9 @@ def build_chunks(config: Any, spec: Any, ddp_config: Any, *, params_dtype: Any, 
     chunk per virtual pipeline stage of this rank, each wrapped in Megatron's DDP with the dense
     weights broadcast over data-parallel ranks. ``model``: gpt_model's keyword arguments.
     ``init_seed``: redraw the weights layout-independently from it (train/init.py)."""
-    from megatron_hybridep.train.init import reinitialize
-
     from megatron.core.distributed import DistributedDataParallel
+
+    from megatron_hybridep.train.init import reinitialize
 
     chunks = []
     for stage in range(virtual_stages or 1):
