@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import io
-import json
-import shlex
 import sys
 from pathlib import Path
 
@@ -21,9 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron_hybridep.bench import predict as bp  # noqa: E402
-from megatron_hybridep.bench.config import add_arguments, resolve  # noqa: E402
-from megatron_hybridep.bench.reanalyse import recorded_events  # noqa: E402
-from megatron_hybridep.bench.session import Session  # noqa: E402
+from megatron_hybridep.bench.reanalyse import recorded_session  # noqa: E402
 from megatron_hybridep.plan.layout import is_hybridep  # noqa: E402
 from megatron_hybridep.plan.plan import Plan  # noqa: E402
 
@@ -52,17 +47,8 @@ def measured_keys(summary: dict, cfg, rows: list[dict]) -> dict[tuple[int, str],
 
 
 def rechoose(out: Path) -> list[str]:
-    summary = json.loads((out / "summary.json").read_text())
-    argv = shlex.split(summary["command"])
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(argv[argv.index("bench") + 1:])
-    args.out, args.quiet = str(out), True
-    cfg = resolve(args)
-    cfg.overlap_grad_reduce = bool(summary.get("overlap_grad_reduce", False))
-    session = Session(cfg, tb=None, log=io.StringIO())  # type: ignore[arg-type]  # nothing is shaped
-    session.events = recorded_events(out)
-    session.info.update(summary["probe"])
+    summary, session = recorded_session(out)
+    cfg = session.cfg
     rows = [r for r in csv.DictReader((out / "bench.csv").open()) if r["system"] in EXACT]
     ran = measured_keys(summary, cfg, rows)
     lines, close = [], 0

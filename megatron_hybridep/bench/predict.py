@@ -103,7 +103,7 @@ def load_model(path: str) -> ModelShape:
         problems.append("shared_experts must be 0")
     if problems:
         raise PlanError(f"{path}: " + "; ".join(problems) + "; fix: write a bench model YAML without them")
-    heads = max(1, w.hidden_size // 16)
+    heads = w.num_attention_heads or max(1, w.hidden_size // 16)  # stated, else 16-wide heads
     return ModelShape(name=w.name or path, num_layers=w.num_moe_layers, hidden_size=w.hidden_size,
                       ffn_hidden_size=w.ffn_hidden_size, num_attention_heads=heads,
                       num_experts=w.num_experts, topk=w.top_k)

@@ -35,7 +35,8 @@ def recorded_events(out: Path) -> list[dict[str, Any]]:
     return events
 
 
-def reanalyse(out: Path) -> dict[str, Any]:
+def recorded_session(out: Path) -> tuple[dict[str, Any], Session]:
+    """(summary.json, a Session holding the run's config, events and probe) of a finished run in ``out``."""
     try:
         summary = json.loads((out / "summary.json").read_text())
     except FileNotFoundError:
@@ -50,7 +51,14 @@ def reanalyse(out: Path) -> dict[str, Any]:
     cfg.overlap_grad_reduce = bool(summary.get("overlap_grad_reduce", False))  # runs before the flag had none
     session = Session(cfg, tb=None, log=io.StringIO())  # type: ignore[arg-type]  # nothing is shaped
     session.events = recorded_events(out)
-    session.info.update(summary["probe"], chosen=dict(summary["hybridep_plans"]),
+    session.info.update(summary["probe"])
+    return summary, session
+
+
+def reanalyse(out: Path) -> dict[str, Any]:
+    summary, session = recorded_session(out)
+    cfg = session.cfg
+    session.info.update(chosen=dict(summary["hybridep_plans"]),
                         planner_best=dict(summary["planner_best_overall"]),
                         shaped_tx_bytes=summary["link_counters_check_mb"]["shaped_segments"] * cfg.dcs * 1e6)
     candidates = {p.label: p for p in bp.candidate_plans(session.topology(shaped=True), cfg.model.num_experts)}
