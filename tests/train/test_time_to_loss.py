@@ -42,3 +42,19 @@ def test_every_system_trains_with_the_overlap_flag_and_the_same_data(ttl):
                                         "50"]
     assert table["pp"][:2] == ["--moe-token-dispatcher-type", "alltoall"] and "--pipeline-model-parallel-size" in \
         table["pp"]
+
+
+def test_the_target_is_the_references_loss_at_a_fraction_of_its_run(ttl):
+    import argparse
+
+    # pp: loss 5, 4, 3, 2 in 1 s steps; slow: loss 5, 4.5, 4, 3.5 in 0.5 s steps (converges more slowly)
+    pp = [(i + 1, 5.0 - i, 1.0) for i in range(4)]
+    slow = [(i + 1, 5.0 - 0.5 * i, 0.5) for i in range(4)]
+    args = argparse.Namespace(reference="pp", target_at=0.5, iters=4, window=1, warmup=0, dcs=2, ranks_per_dc=2,
+                              rate=10.0, global_batch=16, data_path="x", seed=1, repeats=1)
+    text, numbers = ttl.report({"pp": [pp], "slow": [slow]}, args)
+    assert numbers["target"] == 4.0 and numbers["reference"] == "pp"  # pp's loss at iteration 2
+    assert numbers["systems"]["slow"]["steps"] == 3 and numbers["systems"]["slow"]["seconds"] == 1.5
+    assert numbers["systems"]["pp"]["seconds"] == 2.0
+    assert numbers["systems"]["slow"]["final_vs_ref_pct"] == pytest.approx((3.5 / 2.0 - 1) * 100)
+    assert "| slow | 0.50 | 3 | 1.5 | 1.33x |" in text
