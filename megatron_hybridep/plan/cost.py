@@ -47,6 +47,7 @@ time: every candidate pays it alike.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,6 +276,12 @@ class CostModel:
         fam = Family(n[:-1] + (n[-1] // tp,), (1,) * (len(n) - 1) + (tp,))
         return self.network.ring(fam, 2 * (k - 1) / k * nbytes, 2 * (k - 1))
 
+    def grad_buckets(self, params: float) -> int:
+        """Megatron DDP's gradient buckets for ``params`` parameters of one buffer (dense or expert):
+        --ddp-bucket-size, default max(40M, 1M x DP)."""
+        size = self.workload.ddp_bucket_size or max(40_000_000, 1_000_000 * self.dp)
+        return max(1, math.ceil(params / size)) if params > 0 else 0
+
     # ---- one plan ----------------------------------------------------------------------------------------
     def evaluate(self, plan: Plan) -> CostBreakdown:
         """The plan's iteration time by phase, its bytes per link level and its memory; with hot
@@ -324,9 +331,19 @@ class CostModel:
         first, later, restart = (max(0.0, ag.seconds - cover) for cover in (t_pre + a2a, t_pre + 2 * a2a, a2a))
         gathers = first + (Lm - 1) * later + (mg - 1) * (restart + (Lm - 1) * later)
         dense = self.dense_allreduce()
-        f = t_pre * Lm + expert_fwd + 2 * a2a_total  # one micro-batch on this stage, forward
+        # one micro-batch on this stage, forward and backward: what can hide the data-parallel
+        # reductions; the token all-to-alls only where they use none of the reductions' links
+        # (at the reductions' bottleneck level: a ring across DCs also crosses the fast links inside one)
+        level_s = [d + e for d, e in zip(dense.level_seconds, allreduce.level_seconds, strict=True)]
+        neck = max(range(len(level_s)), key=level_s.__getitem__)
+        shared_link = level_s[neck] > 0 and any(p.level_seconds[neck] > 0 for p in a2a_layers)
+        hide = 0.0 if shared_link else 2 * a2a_total
+        f = t_pre * Lm + expert_fwd + 2 * a2a_total
         b = 2 * (t_pre * Lm + expert_fwd) + 2 * a2a_total
-        dense_s, expert_s = data_parallel_exposed(w, dense.seconds, allreduce.seconds, f, b)
+        dense_params = w.model_dense_params / (w.tensor_model_parallel_size * w.pipeline_model_parallel_size)
+        buckets = (self.grad_buckets(dense_params), self.grad_buckets(grad_bytes / w.main_grad_bytes))
+        dense_s, expert_s = data_parallel_exposed(w, dense.seconds, allreduce.seconds, f - 2 * a2a_total + hide,
+                                                  b - 2 * a2a_total + hide, buckets)
         phases = {
             Phase.PRE_COMPUTE: 3 * t_pre * Lm * m,
             Phase.EXPERT_COMPUTE: 3 * expert_fwd * m,
@@ -340,7 +357,9 @@ class CostModel:
         }
         raw = {"t_pre": t_pre, "expert_fwd": expert_fwd / Lm, "a2a": a2a_total / Lm,
                Phase.EXPERT_ALLGATHER: ag.seconds, Phase.GRAD_RETURN: rs.seconds, Phase.SHARED_SYNC: shared.seconds,
-               Phase.DENSE_GRAD_ALLREDUCE: dense.seconds, Phase.EXPERT_GRAD_ALLREDUCE: allreduce.seconds}
+               Phase.DENSE_GRAD_ALLREDUCE: dense.seconds, Phase.EXPERT_GRAD_ALLREDUCE: allreduce.seconds,
+               "dp_dense_buckets": float(buckets[0]), "dp_expert_buckets": float(buckets[1]),
+               "dp_shares_a2a_links": float(shared_link)}
 
         occurrences = [(Phase.TOKEN_A2A, p, 4 * m * per_layer) for p in a2a_layers] + [
             (Phase.EXPERT_ALLGATHER, ag, Lm * mg), (Phase.GRAD_RETURN, rs, Lm * mg), (Phase.SHARED_SYNC, shared, Lm),
@@ -391,22 +410,28 @@ def grad_return_exposed(w: Workload, one: float, returns: int, bwd: float) -> fl
     return returns * max(0.0, Lm * one - (Lm - 1) / Lm * bwd)
 
 
-def data_parallel_exposed(w: Workload, dense: float, expert: float, fwd: float, bwd: float) -> tuple[float, float]:
+def data_parallel_exposed(w: Workload, dense: float, expert: float, fwd: float, bwd: float,
+                          buckets: tuple[int, int] = (1, 1)) -> tuple[float, float]:
     """Exposed seconds of the dense and expert data-parallel reductions (``dense`` / ``expert``: each
     alone). Under the distributed optimizer half of each ring is the reduce-scatter of gradients and
     half the all-gather of parameters (priced at today's bytes). overlap_grad_reduce hides the
     gradient part behind one micro-batch's backward ``bwd`` (Megatron syncs gradients only in the
-    last one); overlap_param_gather hides the gather behind the next iteration's first forward
-    ``fwd``. Both reductions share the cover, which is split in proportion to their times."""
+    last one), bucket by bucket. ``buckets``: (dense, expert) buffers' bucket counts; a buffer's
+    buckets are ready one after another over the backward, its last (the first layers') only at
+    the end, so the last buckets' share q = (dense / B_d + expert / B_e) / r never hides: what is
+    left is max(q r, r - bwd (1 - q)) (one bucket per buffer, the usual case for a small model:
+    q = 1, nothing hides). overlap_param_gather hides the gather behind the next iteration's first
+    forward ``fwd``, likewise. Both reductions share the cover, split in proportion to their times."""
     total = dense + expert
     if total <= 0 or not (w.overlap_grad_reduce or w.overlap_param_gather):
         return dense, expert
     gather = total / 2 if w.distributed_optimizer else 0.0
     reduce = total - gather
+    q = (dense / max(1, buckets[0]) + expert / max(1, buckets[1])) / total
     if w.overlap_grad_reduce:
-        reduce = max(0.0, reduce - bwd)
+        reduce = max(q * reduce, reduce - bwd * (1 - q))
     if w.overlap_param_gather:
-        gather = max(0.0, gather - fwd)
+        gather = max(q * gather, gather - fwd * (1 - q))
     share = (reduce + gather) / total
     return dense * share, expert * share
 

@@ -88,6 +88,7 @@ def workload_from_settings(s: Mapping[str, Any], name: str = "preset", data_para
             distributed_optimizer=bool(s.get("use_distributed_optimizer")),
             overlap_grad_reduce=bool(s.get("overlap_grad_reduce")),
             overlap_param_gather=bool(s.get("overlap_param_gather")),
+            ddp_bucket_size=int(s["ddp_bucket_size"]) if s.get("ddp_bucket_size") else None,
             tensor_model_parallel_size=int(s.get("tensor_model_parallel_size") or 1),
             pipeline_model_parallel_size=int(s.get("pipeline_model_parallel_size") or 1),
             vocab_size=int(s.get("vocab_size") or 0),

@@ -53,6 +53,8 @@ class Workload:
     overlap_grad_reduce: bool = False        # Megatron DDP reduces gradients during the last micro-batch's backward
     overlap_param_gather: bool = False       # the distributed optimizer's parameter all-gather runs during the next
     #   iteration's first forward (needs distributed_optimizer)
+    ddp_bucket_size: int | None = None       # Megatron DDP's gradient bucket, in parameters (--ddp-bucket-size;
+    #   None = its default, max(40M, 1M x DP)): a bucket is reduced once all its gradients are ready
     data_parallel_size: int = 0              # dense DP (0 = world / (TP x PP)); checked against it
     vocab_size: int = 0                      # embedding rows (input + output, untied), counted as dense params
     dense_params: int | None = None          # all non-expert params (None = estimated from the shape)
@@ -92,6 +94,9 @@ class Workload:
             v = getattr(self, fld)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, fld, "must be an integer >= 0",
                  "set it from the model config")
+        need(self.ddp_bucket_size is None or (isinstance(self.ddp_bucket_size, int) and self.ddp_bucket_size > 0),
+             "ddp_bucket_size", "must be a positive integer (parameters per bucket)", "leave it out for Megatron's "
+             "default")
         need(self.dense_params is None or (isinstance(self.dense_params, int) and self.dense_params >= 0),
              "dense_params", "must be an integer >= 0", "count the non-expert parameters, or leave it out")
         need(self.borrowed_copies in BORROWED_COPIES, "borrowed_copies",

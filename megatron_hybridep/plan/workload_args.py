@@ -18,7 +18,7 @@ FIELDS = {
     "tensor_model_parallel_size": "tensor_model_parallel_size", "distributed_optimizer": "distributed_optimizer",
     "num_virtual_stages_per_pipeline_rank": "virtual_pipeline_model_parallel_size",
     "sequence_parallel": "sequence_parallel", "overlap_grad_reduce": "overlap_grad_reduce",
-    "overlap_param_gather": "overlap_param_gather",
+    "overlap_param_gather": "overlap_param_gather", "ddp_bucket_size": "ddp_bucket_size",
 }
 
 
@@ -66,6 +66,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, parallelism: bool
         what.add_argument("--overlap-param-gather", action="store_true", default=None,
                           help="price the distributed optimizer's parameter all-gather as overlapped with the "
                                "first micro-batch's forward (Megatron's flag; needs --distributed-optimizer)")
+        what.add_argument("--ddp-bucket-size", type=int, metavar="PARAMS", default=None,
+                          help="Megatron DDP's gradient bucket in parameters (Megatron's flag; default max(40M, "
+                               "1M x DP)): under the overlap flags a bucket hides only once all its gradients "
+                               "are ready, so a model in one bucket hides nothing")
     what.add_argument("--routing-counts", metavar="FILE",
                       help="tokens from each EP rank to each expert (.npy or .csv, shape (ep_size, experts))")
     what.add_argument("--skew", type=float, metavar="ALPHA",

@@ -314,7 +314,7 @@ def simulate(topology: Topology, workload: Workload, plan: Plan | None = None, *
             phases[k] = v
     forward = sum(s.seconds for s in spans if s.kind != "async" and s.stage == "fwd")
     if options.backward:
-        total += _pipeline_and_overlap(model, spans, phases)
+        total += _pipeline_and_overlap(model, plan, spans, phases)
     ops, traffic = _reports(spans, reports_sets)
     notes = []
     if workload.routing_counts is not None:
@@ -331,17 +331,23 @@ def simulate(topology: Topology, workload: Workload, plan: Plan | None = None, *
     return SimResult(plan, total, phases, forward, spans, ops, classes, stats, traffic, notes)
 
 
-def _pipeline_and_overlap(model: CostModel, spans: Sequence[Span], phases: dict[str, float]) -> float:
+def _pipeline_and_overlap(model: CostModel, plan: Plan, spans: Sequence[Span], phases: dict[str, float]) -> float:
     """Tier b's closed forms on the simulated stage (plan/cost.py, plan/pipeline.py): the data-parallel
-    reductions hidden by the overlap flags and the pipeline around the stage; updates ``phases``,
+    reductions hidden by the overlap flags (bucket by bucket, behind the token all-to-alls only where
+    those use none of the reductions' links) and the pipeline around the stage; updates ``phases``,
     returns the change of the total. A stage's micro-batch: its compute and token all-to-alls."""
     w, m = model.workload, model.workload.micro_batches
     work = (Phase.PRE_COMPUTE, Phase.EXPERT_COMPUTE, Phase.TOKEN_A2A_FWD, Phase.TOKEN_A2A_BWD)
     f = sum(s.seconds for s in spans if s.kind != "async" and s.stage == "fwd" and s.phase in work) / m
     b = sum(s.seconds for s in spans if s.kind != "async" and s.stage == "bwd" and s.phase in work) / m
     before = sum(phases.get(p, 0.0) for p in (Phase.DENSE_GRAD_ALLREDUCE, Phase.EXPERT_GRAD_ALLREDUCE))
+    raw = model.evaluate(plan).raw if before else {}
+    cover = (Phase.PRE_COMPUTE, Phase.EXPERT_COMPUTE) if raw.get("dp_shares_a2a_links") else work
+    f_hide = sum(s.seconds for s in spans if s.kind != "async" and s.stage == "fwd" and s.phase in cover) / m
+    b_hide = sum(s.seconds for s in spans if s.kind != "async" and s.stage == "bwd" and s.phase in cover) / m
     dense, expert = data_parallel_exposed(w, phases.get(Phase.DENSE_GRAD_ALLREDUCE, 0.0),
-                                          phases.get(Phase.EXPERT_GRAD_ALLREDUCE, 0.0), f, b)
+                                          phases.get(Phase.EXPERT_GRAD_ALLREDUCE, 0.0), f_hide, b_hide,
+                                          (int(raw.get("dp_dense_buckets", 1)), int(raw.get("dp_expert_buckets", 1))))
     if before:
         phases[Phase.DENSE_GRAD_ALLREDUCE], phases[Phase.EXPERT_GRAD_ALLREDUCE] = dense, expert
     delta = dense + expert - before

@@ -202,14 +202,21 @@ def test_sequence_parallel_divides_the_sends_by_tp():
 def test_data_parallel_overlap_by_hand():
     w = paper_l()
     assert data_parallel_exposed(w, 3.0, 1.0, 0.5, 2.0) == (3.0, 1.0)  # blocking: as today
-    # overlapped with a 2 s backward: 4 - 2 = 2 s left, split 3:1
-    assert data_parallel_exposed(w.replace(overlap_grad_reduce=True), 3.0, 1.0, 0.5, 2.0) == pytest.approx((1.5, 0.5))
-    assert data_parallel_exposed(w.replace(overlap_grad_reduce=True), 3.0, 1.0, 0.5, 9.0) == (0.0, 0.0)
+    over = w.replace(overlap_grad_reduce=True)
+    # one bucket per buffer is reduced once all its gradients are ready, after the backward: nothing hides
+    assert data_parallel_exposed(over, 3.0, 1.0, 0.5, 2.0, buckets=(1, 1)) == (3.0, 1.0)
+    # 3 dense buckets, 1 expert: the last ones hold 3/3 + 1/1 = 2 of the 4 s (q = 1/2); behind a 2 s
+    # backward 4 - 2 x 1/2 = 3 s are left, split 3:1
+    assert data_parallel_exposed(over, 3.0, 1.0, 0.5, 2.0, buckets=(3, 1)) == pytest.approx((2.25, 0.75))
+    # a long backward hides all but the last buckets: 2 s
+    assert sum(data_parallel_exposed(over, 3.0, 1.0, 0.5, 9.0, buckets=(3, 1))) == pytest.approx(2.0)
     dist = w.replace(distributed_optimizer=True)
-    # half is the parameter gather: 2 s, behind a 0.5 s forward -> 1.5 s; the 2 s reduce-scatter stays
-    assert sum(data_parallel_exposed(dist.replace(overlap_param_gather=True), 3.0, 1.0, 0.5, 2.0)) == pytest.approx(3.5)
+    # half is the parameter gather: 2 s, q = (3/3 + 1/1) / 4 = 1/2, behind a 0.5 s forward -> 2 - 0.25 =
+    # 1.75 s; the 2 s reduce-scatter stays
+    assert sum(data_parallel_exposed(dist.replace(overlap_param_gather=True), 3.0, 1.0, 0.5, 2.0,
+                                     buckets=(3, 1))) == pytest.approx(3.75)
     both = dist.replace(overlap_param_gather=True, overlap_grad_reduce=True)
-    assert sum(data_parallel_exposed(both, 3.0, 1.0, 0.5, 2.0)) == pytest.approx(1.5)
+    assert sum(data_parallel_exposed(both, 3.0, 1.0, 0.5, 2.0, buckets=(3, 1))) == pytest.approx(1.0 + 1.75)
     with pytest.raises(PlanError, match="overlap_param_gather"):
         w.replace(overlap_param_gather=True)
 
@@ -222,12 +229,19 @@ def test_overlap_grad_reduce_hides_the_reduction_behind_the_last_backward():
     plan = choose_plan(topo, w).candidates
     rep = next(c.plan for c in plan if c.plan.kind == "replicated")
     off = CostModel(topo, w).evaluate(rep)
-    on = CostModel(topo, w.replace(overlap_grad_reduce=True)).evaluate(rep)
+    # Megatron's default bucket (40M parameters) holds this whole model: reduced after the backward
+    assert CostModel(topo, w.replace(overlap_grad_reduce=True)).evaluate(rep).total == pytest.approx(off.total)
+    small = w.replace(overlap_grad_reduce=True, ddp_bucket_size=50_000)
+    on = CostModel(topo, small).evaluate(rep)
     comm = off.phases[Phase.DENSE_GRAD_ALLREDUCE] + off.phases[Phase.EXPERT_GRAD_ALLREDUCE]
+    # the backward's token all-to-alls stay inside a DC (EP per DC): they hide the WAN reduction too
+    assert on.raw["dp_shares_a2a_links"] == 0.0
     bwd = (2 / 3 * (off.phases[Phase.PRE_COMPUTE] + off.phases[Phase.EXPERT_COMPUTE])
            + off.phases[Phase.TOKEN_A2A_BWD]) / w.micro_batches
-    assert comm > 0 and bwd > 0
-    hidden = min(comm, bwd)
+    Bd, Be = int(on.raw["dp_dense_buckets"]), int(on.raw["dp_expert_buckets"])
+    assert comm > 0 and bwd > 0 and Bd + Be > 2
+    q = (off.phases[Phase.DENSE_GRAD_ALLREDUCE] / Bd + off.phases[Phase.EXPERT_GRAD_ALLREDUCE] / Be) / comm
+    hidden = comm - max(q * comm, comm - bwd * (1 - q))
     assert on.total == pytest.approx(off.total - hidden)
     assert on.raw[Phase.EXPERT_GRAD_ALLREDUCE] == off.raw[Phase.EXPERT_GRAD_ALLREDUCE]  # the collective is the same
 
@@ -238,8 +252,12 @@ def test_cli_flags(capsys):
     assert main(base + ["--json"]) == 0
     blocking = json.loads(capsys.readouterr().out)["candidates"][0]["cost"]
     assert main(base + ["--json", "--overlap-grad-reduce"]) == 0
+    one_bucket = json.loads(capsys.readouterr().out)["candidates"][0]["cost"]
+    assert main(base + ["--json", "--overlap-grad-reduce", "--ddp-bucket-size", "1000000"]) == 0
     overlapped = json.loads(capsys.readouterr().out)["candidates"][0]["cost"]
     assert blocking["phases"]["dense_grad_allreduce"] > 0
+    # a stage's dense parameters fit Megatron's default 40M bucket: reduced after the backward
+    assert one_bucket["phases"]["dense_grad_allreduce"] == blocking["phases"]["dense_grad_allreduce"]
     assert overlapped["phases"]["dense_grad_allreduce"] < blocking["phases"]["dense_grad_allreduce"]
     assert main(base + ["--overlap-param-gather"]) == 2
     assert "needs distributed_optimizer" in capsys.readouterr().err

@@ -34,8 +34,12 @@ def test_overlap_grad_reduce_hides_the_dense_reduction_in_the_simulator_too():
     w = WORK.replace(pipeline_model_parallel_size=1, micro_batches=2)
     topo = Topology((Level("dc", 2, 0.1, 100.0, 0.1), Level("gpu", 2, 100.0, 5.0, 100.0)))
     plan = Plan.grid((2,), (1,), 8, ("gpu",))
-    off, on = simulate(topo, w, plan), simulate(topo, w.replace(overlap_grad_reduce=True), plan)
+    # small buckets (Megatron's --ddp-bucket-size): one bucket would be reduced only after the backward
+    on_w = w.replace(overlap_grad_reduce=True, ddp_bucket_size=10_000)
+    off, on = simulate(topo, w, plan), simulate(topo, on_w, plan)
     assert off.phases[Phase.DENSE_GRAD_ALLREDUCE] > 0
     assert on.phases[Phase.DENSE_GRAD_ALLREDUCE] < off.phases[Phase.DENSE_GRAD_ALLREDUCE]
-    tierb = CostModel(topo, w.replace(overlap_grad_reduce=True)).evaluate(plan)
+    one_bucket = simulate(topo, w.replace(overlap_grad_reduce=True, ddp_bucket_size=10**9), plan)
+    assert one_bucket.phases[Phase.DENSE_GRAD_ALLREDUCE] == pytest.approx(off.phases[Phase.DENSE_GRAD_ALLREDUCE])
+    tierb = CostModel(topo, on_w).evaluate(plan)
     assert on.phases[Phase.DENSE_GRAD_ALLREDUCE] == pytest.approx(tierb.phases[Phase.DENSE_GRAD_ALLREDUCE], rel=1e-3)
