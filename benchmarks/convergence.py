@@ -49,18 +49,20 @@ def upcycle(model, seed: int, noise: float) -> None:
                         q.copy_(base + noise * q)
 
 
-_RATIOS = re.compile(r"^(?:w(?P<w>\d+(?:\.\d+)?))?(?:g(?P<g>\d+(?:\.\d+)?))?$")
+_RATIOS = re.compile(r"^(?:w(?P<w>\d+(?:\.\d+)?))?(?:g(?P<g>\d+(?:\.\d+)?))?(?P<cold>-cold)?$")
 
 
 def system_config(system: str, refresh: int = 10):  # noqa: ANN201 - MigrationConfig, or None for a named system
     """'w10' = weights at 10x (shared + residual), 'g50' = returned gradients at 50x (top-k + error
-    feedback), 'w50g50' = both; None for the named systems (alltoall, exact, shared, topk, ...)."""
+    feedback), 'w50g50' = both; a '-cold' suffix: the first copies from the shared expert instead of
+    one exact gather (the codec before exact_first_gather); None for the named systems (alltoall,
+    exact, shared, topk, ...)."""
     from megatron_hybridep.runtime.migration import MigrationConfig
 
     m = _RATIOS.match(system)
-    if not system or m is None:
+    if not system or m is None or not (m["w"] or m["g"]):
         return None
-    return MigrationConfig(float(m["w"] or 1), float(m["g"] or 1), True, refresh)
+    return MigrationConfig(float(m["w"] or 1), float(m["g"] or 1), True, refresh, exact_first_gather=not m["cold"])
 
 
 def train(ctx, system: str, steps: int, ratio: float, grad_ratio: float, refresh: int, seed: int,
@@ -132,6 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--init", choices=("random", "upcycled"), default="random",
                    help="expert initialisation: Megatron's independent random experts, or upcycled")
     p.add_argument("--out", default=os.path.join(REPO, "runs", "convergence"))
+    p.add_argument("--from-csv", action="append", default=[], metavar="FILE[:SUFFIX]",
+                   help="reuse the curves of an earlier run's CSV (the same model and --steps); runs it holds are "
+                        "not repeated; ':SUFFIX' renames its systems, e.g. ':-cold'")
     p.add_argument("--systems", default="alltoall,exact,shared,topk,shared-stateless,topk-stateless",
                    help="comma list; 'stateless' = residual against the shared expert (or zeros) at every "
                         "gather, the paper's scheme; without it the residual is against the peers' copy")
@@ -144,7 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.systems.split(",")[0] != "alltoall":
         p.error("--systems must start with alltoall (the reference)")
     named = {"alltoall", "exact", "shared", "topk", "shared-stateless", "topk-stateless"}
-    bad = [s for s in a.systems.split(",") if s not in named and (not s or _RATIOS.match(s) is None)]
+    bad = [s for s in a.systems.split(",") if s not in named and system_config(s) is None]
     if bad:
         p.error(f"--systems: unknown {', '.join(bad)}; use {', '.join(sorted(named))} or wRgR (e.g. w10, g50, w50g50)")
     if a.experts % RANKS or not 1 <= a.topk <= a.experts:
@@ -183,6 +188,21 @@ def interval95(values: list[float]) -> tuple[float, float]:
     return mean - half, mean + half
 
 
+def load_curves(spec: str, steps: int) -> dict[tuple[str, int], list[float]]:
+    """Curves of an earlier run's CSV, ``FILE`` or ``FILE:SUFFIX`` (SUFFIX appended to its system
+    names, e.g. ':-cold' for a run made before a codec change)."""
+    path, _, suffix = spec.partition(":")
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if len(rows) - 1 < steps:
+        raise SystemExit(f"error: --from-csv {path}: {len(rows) - 1} steps, --steps is {steps}")
+    out = {}
+    for j, name in enumerate(rows[0][1:], start=1):
+        system, seed = name.rsplit("@", 1)
+        out[system + suffix, int(seed)] = [float(r[j]) for r in rows[1:steps + 1]]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     from megatron_hybridep.data.text import CorpusError
@@ -195,8 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     systems = a.systems.split(",")
     seeds = [int(x) for x in a.seeds.split(",")]
     curves, step_ms = {}, {}
+    for spec in a.from_csv:  # earlier runs' curves; a later file wins, and these runs are not repeated
+        curves.update(load_curves(spec, a.steps))
     for seed in seeds:
         for system in systems:
+            if (system, seed) in curves:
+                continue
             losses, med = run_ranks(train, RANKS, system, a.steps, a.ratio, a.grad_ratio, a.refresh, seed,
                                     a.vocab, a.order, a.init, a.data_path, a.model, timeout=1800)[0]
             curves[system, seed], step_ms[system, seed] = losses, med * 1e3
@@ -237,13 +261,14 @@ def main(argv: list[str] | None = None) -> int:
         if s not in names:
             m = _RATIOS.match(s)
             parts = ([f"weights {m['w']}x"] if m["w"] else []) + ([f"gradients {m['g']}x"] if m["g"] else [])
-            names[s] = "HybridEP " + " + ".join(parts)
+            names[s] = "HybridEP " + " + ".join(parts) + (", cold start" if m["cold"] else "")
     for s in systems:
         deltas = [(final((s, seed)) - final(("alltoall", seed))) / final(("alltoall", seed)) * 100 for seed in seeds]
         sd = statistics.stdev(deltas) if len(deltas) > 1 else 0.0
         spread = f"{statistics.fmean(deltas):+7.2f}% +- {sd:.2f} ({', '.join(f'{d:+.2f}' for d in deltas)})"
+        ms = [step_ms[s, x] for x in seeds if (s, x) in step_ms]  # none: every curve from --from-csv
         print(f"{names[s]:44s} {statistics.fmean(final((s, seed)) for seed in seeds):10.4f} {spread:>30s} "
-              f"{statistics.median(step_ms[s, seed] for seed in seeds):8.1f}")
+              f"{statistics.median(ms) if ms else float('nan'):8.1f}")
         if len(seeds) > 1 and s != "alltoall":
             lo, hi = interval95(deltas)
             worst = max(range(len(seeds)), key=lambda i: deltas[i])

@@ -63,6 +63,8 @@ class MigrationConfig:
     use_shared: bool = True              # shared + residual; False = plain top-k (the paper's ablation)
     shared_refresh_every: int = 10       # optimizer steps between shared-expert refreshes (0 = frozen)
     incremental: bool = True             # residual against the peers' current copy (else against shared)
+    exact_first_gather: bool = True      # incremental: the first gather (and the first after a plan switch)
+    #   ships the experts uncompressed, so copies start exact instead of from the shared expert
     hold_copies: bool = True             # one gather per optimizer step, gradients returned once per iteration
     async_return: bool = False           # that return launched in the last backward, collected before the reduction
     check_finite: bool = False           # --check-for-nan-in-loss-and-grad: name a non-finite borrowed expert
@@ -197,6 +199,8 @@ class DomainGather(ExpertExchange):
         # the shared expert seeds the copies; afterwards the base is the copy itself, moved by the
         # shared expert's change at each refresh (drift common to all experts costs no residual)
         shared = self.shared.update(self._step, rows) if self.shared is not None else None
+        if self._held is None and self.config.exact_first_gather:
+            return flat.clone(), shared, None  # the peers' first copy, exact (_finish: _copies is None)
         if self._held is None:
             base = self._initial_base(rows, shared)
         else:
@@ -260,6 +264,8 @@ class DomainGather(ExpertExchange):
         if base is not None:  # what the peers will hold once they decode this payload
             self._held = self.codec.decode_batch(payload, base, out=base)  # in place: the base is private
             self._held_shared = shared
+        elif self._exact_first():
+            self._held, self._held_shared = payload.view(self.num_local, -1).clone(), shared
         buffer = payload.new_empty(self.size * payload.numel())
         handle = _all_gather(buffer, payload, group=self.group, async_op=True)
         self._pending = _Pending(buffer, handle, time.perf_counter(), shared, key)
@@ -310,6 +316,8 @@ class DomainGather(ExpertExchange):
                     continue
                 if not self.config.incremental:
                     self.codec.decode_batch(slots[q], pending.shared, out=rows[q])
+                elif self._copies is None and self.config.exact_first_gather:
+                    rows[q].copy_(slots[q].view_as(rows[q]))
                 elif self._copies is None:
                     self.codec.decode_batch(slots[q], self._initial_base(rows[q], pending.shared), out=rows[q])
                 else:  # one launch per peer, the refresh's rebase folded in (Triton on GPU)
@@ -324,8 +332,13 @@ class DomainGather(ExpertExchange):
             self.stats.add(self.layer, Phase.EXPERT_ALLGATHER, "domain", 0, time.perf_counter() - t0,
                            wall=time.perf_counter() - pending.started)
             self.stats.add_borrowed(self.layer, (self.size - 1) * self.numel * result.element_size())
-            self._count_bytes(Phase.EXPERT_ALLGATHER, self.bytes_per_rank)
+            self._count_bytes(Phase.EXPERT_ALLGATHER, pending.buffer.numel() // self.size * pending.buffer.element_size())
         return result
+
+    def _exact_first(self) -> bool:
+        """The next gather ships the experts uncompressed (the incremental codec's first)."""
+        return self.codec is not None and self.config.incremental and self.config.exact_first_gather \
+            and self._held is None
 
     @staticmethod
     def _shift(old: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor | None:

@@ -79,3 +79,32 @@ def test_tiny_run_on_a_text_file(tmp_path, capsys):
         rows = list(csv.reader(f))
     assert rows[0] == ["step", "alltoall@1234"] and len(rows) == 3
     assert all(0 < float(r[1]) < 10 for r in rows[1:])  # a byte model starts near ln(256) = 5.5
+
+
+def test_ratio_systems_name_the_codec_settings():
+    w, g, both, cold = (conv.system_config(s) for s in ("w10", "g50", "w50g50", "w10-cold"))
+    assert (w.compression_ratio, w.grad_compression_ratio, w.exact_first_gather) == (10, 1, True)
+    assert (g.compression_ratio, g.grad_compression_ratio) == (1, 50)
+    assert (both.compression_ratio, both.grad_compression_ratio) == (50, 50)
+    assert not cold.exact_first_gather
+    assert conv.system_config("alltoall") is None and conv.system_config("-cold") is None
+    with pytest.raises(SystemExit):
+        conv.parse_args(["--systems", "alltoall,x10"])
+
+
+def test_earlier_curves_are_reused_not_rerun(tmp_path, capsys):
+    """--from-csv: runs an earlier CSV holds are not repeated (no rank starts here); a suffix
+    renames its systems, so a run from before a codec change can sit beside a new one."""
+    steps = 3
+    path = tmp_path / "old.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "alltoall@1", "w10@1", "alltoall@2", "w10@2"])
+        for i in range(steps):
+            w.writerow([i + 1, 2.0, 2.2, 2.0, 2.1])
+    assert conv.load_curves(f"{path}:-cold", steps)[("w10-cold", 2)] == [2.1] * steps
+    rc = conv.main(["--steps", str(steps), "--window", "1", "--seeds", "1,2", "--systems", "alltoall,w10-cold",
+                    "--from-csv", f"{path}:-cold", "--from-csv", str(path), "--out", str(tmp_path / "out")])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "HybridEP weights 10x, cold start" in printed and "+7.50% +- 3.54" in printed  # +10%, +5%

@@ -94,9 +94,10 @@ def test_compressed_gradient_return_loses_nothing_over_steps():
         assert rel_many < rel_one / 2, (rel_many, rel_one)  # the dropped part arrives later
 
 
-def _incremental_copies(ctx, incremental, use_shared, ahead=False, numel=64, ratio=8.0, gathers=10):
+def _incremental_copies(ctx, incremental, use_shared, ahead=False, numel=64, ratio=8.0, gathers=10, exact_first=False):
     """One expert per rank, a domain of 2: the error of the copy of the peer's expert after each
-    gather (weights fixed), after weights drift, and after a plan switch (drop)."""
+    gather (weights fixed), after weights drift, and after a plan switch (drop). Cold start (the
+    first copy from the shared base) unless ``exact_first``."""
     import torch.distributed as dist
 
     from megatron_hybridep.runtime.instrument import Stats
@@ -108,7 +109,8 @@ def _incremental_copies(ctx, incremental, use_shared, ahead=False, numel=64, rat
     stats = Stats()
     gather = DomainGather([("weight", own)], dist.group.WORLD, ctx.rank, stats=stats, shared=shared,
                           config=MigrationConfig(ratio, use_shared=use_shared, incremental=incremental,
-                                                 hold_copies=False))  # a gather per call, weights fixed or not
+                                                 hold_copies=False,  # a gather per call, weights fixed or not
+                                                 exact_first_gather=exact_first))
     peer = 1 - ctx.rank
 
     def error() -> float:
@@ -150,6 +152,18 @@ def test_incremental_copies_converge_and_restart_after_a_switch(use_shared):
         assert r["after_drop"] == pytest.approx(r["fixed"][0], rel=0.5) and r["after_drop"] > 0.05
         # the same bytes per gather either way: the payload size is the codec's
         assert r["wire"] == s["wire"] == (2 * len(r["fixed"]) + 1) * r["per_gather"]
+
+
+def test_the_first_gather_ships_exact_experts_by_default():
+    """Copies start exact (one uncompressed gather, and again after a plan switch), then stay
+    within the drift with compressed gathers; the bytes counted are what was sent."""
+    got = run_ranks(_incremental_copies, 2, True, True, False, exact_first=True, timeout=120)
+    cold = run_ranks(_incremental_copies, 2, True, True, False, timeout=120)
+    for r, c in zip(got, cold, strict=True):
+        assert r["fixed"] == [0.0] * len(r["fixed"]) and c["fixed"][0] > 0.05
+        assert max(r["drifting"]) < 0.01 and r["after_drop"] == 0.0
+        dense = 64 * 4  # one fp32 expert of 64 elements, uncompressed
+        assert r["wire"] == 2 * dense + (2 * len(r["fixed"]) - 1) * r["per_gather"]  # first and after the drop
 
 
 def test_encoding_right_after_the_step_gives_the_same_copies():
