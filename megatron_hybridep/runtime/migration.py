@@ -332,7 +332,8 @@ class DomainGather(ExpertExchange):
             self.stats.add(self.layer, Phase.EXPERT_ALLGATHER, "domain", 0, time.perf_counter() - t0,
                            wall=time.perf_counter() - pending.started)
             self.stats.add_borrowed(self.layer, (self.size - 1) * self.numel * result.element_size())
-            self._count_bytes(Phase.EXPERT_ALLGATHER, pending.buffer.numel() // self.size * pending.buffer.element_size())
+            sent = pending.buffer.numel() // self.size * pending.buffer.element_size()  # exact first: dense
+            self._count_bytes(Phase.EXPERT_ALLGATHER, sent)
         return result
 
     def _exact_first(self) -> bool:
