@@ -130,7 +130,7 @@ def main(argv: list[str]) -> int:
         return _launched_rank(argv)
     from megatron_hybridep.train import restart
     from megatron_hybridep.train.launch import RankFailure, StallRule
-    from megatron_hybridep.train.preflight import one_line, preflight, save_report
+    from megatron_hybridep.train.preflight import internal_line, is_bad_input, one_line, preflight, save_report
 
     args = None
     try:
@@ -144,7 +144,10 @@ def main(argv: list[str]) -> int:
         preflight(args, nproc)
     except SystemExit as e:  # argparse already printed its one-line usage error
         return int(e.code or 0)
-    except Exception as e:  # noqa: BLE001 - bad input: one line, no traceback
+    except Exception as e:  # noqa: BLE001 - one line, no traceback on the terminal
+        if not is_bad_input(e):  # ours or a library's: where it came from, the traceback in a file
+            print(f"pretrain_moe.py: error: {internal_line(e)}", file=sys.stderr)
+            return 1
         print(f"pretrain_moe.py: error: {one_line(e, args)}", file=sys.stderr)
         return 2
     print(f"[pretrain_moe] launching {nproc} local CPU ranks (gloo) with "

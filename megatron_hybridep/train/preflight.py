@@ -1,5 +1,6 @@
-"""Before the local ranks start: check the job once (``preflight``), and say what went wrong in one
-line (``one_line``) with the full report in a file (``save_report``). Used by pretrain_moe.py."""
+"""Before the local ranks start: check the job once (``preflight``) and say what went wrong in one
+line: bad input as the flag and the fix (``one_line``), an internal failure with where it was raised
+and its full traceback in a file (``internal_line``, ``save_report``). Used by pretrain_moe.py."""
 
 from __future__ import annotations
 
@@ -47,6 +48,26 @@ class _NoOptimizer:
     """Enough of an optimizer for Megatron's OptimizerParamScheduler to run its checks."""
 
     param_groups: list = []  # noqa: RUF012
+
+
+# What checks of the flags and of the files they name raise (Megatron's validate_args asserts)
+BAD_INPUT = (ValueError, AssertionError, OSError)
+
+
+def is_bad_input(error: BaseException) -> bool:
+    return isinstance(error, BAD_INPUT)
+
+
+def internal_line(error: BaseException) -> str:
+    """An unexpected failure (not bad input) as one line naming where it was raised (innermost frame)
+    and the file that holds its full traceback."""
+    frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
+    where = (f"{_short(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}()" if frames
+             else type(error).__module__)
+    message = " ".join(str(error).split()) or "(no message)"
+    report = save_report("".join(traceback.format_exception(error)))
+    return (f"internal error before the ranks started: {type(error).__name__}: {message} (raised at {where}; "
+            f"full traceback: {report})")
 
 
 def one_line(error: BaseException, args: Any = None) -> str:
