@@ -15,10 +15,13 @@ import os
 import sys
 import warnings
 
+from megatron_hybridep.runtime.logs import quiet_known_warnings
+
 REPO = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PRESET = os.path.join(REPO, "configs", "presets", "cpu_demo.yaml")
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*not installed.*")
 warnings.filterwarnings("ignore", message=".*transformer-engine>=1.7.0 supports MoE experts.*")
+quiet_known_warnings()  # before Megatron's imports: torch's "No CUDA runtime is found" line among them
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
