@@ -15,10 +15,13 @@ import os
 import sys
 import warnings
 
+from megatron_hybridep.runtime.logs import quiet_known_warnings
+
 REPO = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PRESET = os.path.join(REPO, "configs", "presets", "cpu_demo.yaml")
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*not installed.*")
 warnings.filterwarnings("ignore", message=".*transformer-engine>=1.7.0 supports MoE experts.*")
+quiet_known_warnings()  # before Megatron's imports: torch's "No CUDA runtime is found" line among them
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
@@ -48,6 +51,7 @@ def _with_layout(argv: list[str], world: int, announce: bool) -> list[str]:
 
 def _rank_main(ctx, argv: list[str]):  # noqa: ANN001, ANN202 - run_ranks entry
     from megatron_hybridep.train import cpu_loop
+    from megatron_hybridep.train.preflight import one_line
 
     args = _args(argv)
     try:
@@ -55,14 +59,6 @@ def _rank_main(ctx, argv: list[str]):  # noqa: ANN001, ANN202 - run_ranks entry
     except Exception as e:
         # The parent prints the first rank's last line; make it the one-line form with the flags.
         raise RuntimeError(one_line(e, args)) from e
-
-
-def _save_report(text: str) -> str:
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", prefix="pretrain_moe-failure-", suffix=".log", delete=False) as f:
-        f.write(text)
-    return f.name
 
 
 def _launched_rank(argv: list[str]) -> int:
@@ -132,104 +128,12 @@ def _launched_rank(argv: list[str]) -> int:
     return 0
 
 
-def preflight(args, world: int) -> None:  # noqa: ANN001
-    """What every rank would check before its first collective, done once here: topology, plan,
-    Megatron's validate_args and its LR scheduler's assertions. Raises the first problem."""
-    import contextlib
-    import copy
-    import io
-    import logging
-
-    from megatron_hybridep.megatron import cpu_runtime
-    from megatron_hybridep.train import cpu_loop
-
-    cpu_runtime.enable()  # as the ranks run: under TP, validate_args asks CUDA for the device's arch
-    trial = copy.deepcopy(args)
-    trial.world_size, trial.rank = world, 0
-    quiet = io.StringIO()
-    logging.disable(logging.WARNING)  # the ranks print the planner's warnings; not twice
-    try:
-        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            cpu_loop.plan_job(trial, world)
-            from megatron.training.arguments import validate_args
-            from megatron.training.global_vars import set_args
-            from megatron.training.training import get_optimizer_param_scheduler
-
-            validate_args(trial)
-            set_args(trial)
-            get_optimizer_param_scheduler(_NoOptimizer())
-    finally:
-        logging.disable(logging.NOTSET)
-
-
-class _NoOptimizer:
-    """Enough of an optimizer for Megatron's OptimizerParamScheduler to run its checks."""
-
-    param_groups: list = []  # noqa: RUF012
-
-
-def one_line(error: BaseException, args=None) -> str:  # noqa: ANN001
-    """A bad input as one line: the message, or for a bare Megatron assertion its source line with
-    the flags it involves and their values."""
-    text = str(error).strip().splitlines()
-    if text and not isinstance(error, AssertionError):
-        line = " ".join(t.strip() for t in text)
-        import re
-
-        if line.startswith("ep_size:") and args is not None:  # the planner's EP group against the world
-            flags = [f"--expert-model-parallel-size {args.expert_model_parallel_size}"]
-            if "WORLD_SIZE" not in os.environ and "SLURM_PROCID" not in os.environ:
-                flags.append(f"--hybridep-nproc {args.hybridep_nproc}")
-            return f"{' with '.join(flags)}: {line}"
-        field = re.match(r"model\.(\w+):", line)  # the cost model's workload, built from flags
-        if field and args is not None:
-            name = next((n for n in (f"hybridep_{field.group(1)}", field.group(1)) if hasattr(args, n)), None)
-            if name:
-                return f"--{name.replace('_', '-')} {getattr(args, name)}: {line}"
-        for flag in ("--hybridep-topology", "--hybridep-plan", "--hybridep-dc-map", "--config", "--load"):
-            value = getattr(args, flag[2:].replace("-", "_"), None)
-            if value and str(value) in line and flag not in line:  # a file's own error: say which flag
-                return f"{flag} {line}"
-        return line
-    import traceback
-
-    frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
-    where = f"`{frame.line}` ({_short(frame.filename)}:{frame.lineno})" if frame else type(error).__name__
-    message = f"{' '.join(text)}; " if text else ""
-    flags = _flags_in(frame.line if frame else " ".join(text), args)
-    return (f"Megatron's check failed: {message}{where}"
-            + (f"; involved: {flags}; fix: change these flags" if flags else "; fix: see the flags it names"))
-
-
-_ALIASES = {"lr_warmup_steps": ("lr_warmup_iters", "lr_warmup_fraction"),
-            "lr_decay_steps": ("lr_decay_iters", "train_iters"), "wsd_decay_steps": ("lr_wsd_decay_iters",),
-            "init_lr": ("lr_warmup_init",), "max_lr": ("lr",), "start_wd": ("start_weight_decay",),
-            "end_wd": ("end_weight_decay",)}
-
-
-def _flags_in(line: str, args) -> str:  # noqa: ANN001
-    import re
-
-    if args is None:
-        return ""
-    names: list[str] = []
-    for word in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", line):
-        for dest in _ALIASES.get(word, (word,)):
-            if dest not in names and getattr(args, dest, None) is not None and dest not in ("self", "args"):
-                names.append(dest)
-    return ", ".join(f"--{n.replace('_', '-')} {getattr(args, n)}" for n in names)
-
-
-def _short(path: str) -> str:
-    return path.split("site-packages/")[-1].replace(REPO + "/", "")
-
-
 def main(argv: list[str]) -> int:
     if "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ:
         return _launched_rank(argv)
     from megatron_hybridep.train import restart
     from megatron_hybridep.train.launch import RankFailure, StallRule
+    from megatron_hybridep.train.preflight import internal_line, is_bad_input, one_line, preflight, save_report
 
     args = None
     try:
@@ -243,7 +147,10 @@ def main(argv: list[str]) -> int:
         preflight(args, nproc)
     except SystemExit as e:  # argparse already printed its one-line usage error
         return int(e.code or 0)
-    except Exception as e:  # noqa: BLE001 - bad input: one line, no traceback
+    except Exception as e:  # noqa: BLE001 - one line, no traceback on the terminal
+        if not is_bad_input(e):  # ours or a library's: where it came from, the traceback in a file
+            print(f"pretrain_moe.py: error: {internal_line(e)}", file=sys.stderr)
+            return 1
         print(f"pretrain_moe.py: error: {one_line(e, args)}", file=sys.stderr)
         return 2
     print(f"[pretrain_moe] launching {nproc} local CPU ranks (gloo) with "
@@ -257,7 +164,7 @@ def main(argv: list[str]) -> int:
             log=lambda line: print(line, flush=True), timeout=float(os.environ.get("HYBRIDEP_TIMEOUT", 3600)),
             stall=rule)
     except RankFailure as e:
-        report = _save_report(str(e))
+        report = save_report(str(e))
         n = getattr(e, "restarts", 0)
         after = (f"; after {n} restart{'s' if n != 1 else ''}" if n else "") + (
             "; not restarted: an error of the run itself, not a fault (a restart would repeat it)"

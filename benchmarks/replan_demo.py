@@ -129,7 +129,7 @@ def worker(spec_path: str) -> int:
 
     from megatron_hybridep.bench.control import CONTROL_ENV, ControlClient
     from megatron_hybridep.megatron.arguments import parse
-    from megatron_hybridep.runtime.context import get_runtime
+    from megatron_hybridep.runtime.context import process_context
     from megatron_hybridep.train import cpu_loop
 
     spec = json.loads(Path(spec_path).read_text())
@@ -145,7 +145,7 @@ def worker(spec_path: str) -> int:
 
     def on_iteration(iteration: int, seconds: float, decision: Any) -> None:
         now = time.perf_counter()
-        rt = get_runtime()
+        rt = process_context().runtime
         row = {"iteration": iteration, "step_s": seconds, "t": now, "plan": rt.plan.label if rt else "",
                "switched": bool(decision is not None and decision.switched)}
         if decision is not None:

@@ -18,35 +18,32 @@ from typing import Any
 from megatron_hybridep.plan.grid import coords_of
 from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.plan.topology import Topology
+from megatron_hybridep.runtime.context import Measuring, process_context
 from megatron_hybridep.runtime.instrument import Stats
-
-_STATE: dict[str, Any] = {}
 
 
 def enable(topology: Topology, stats: Stats | None = None) -> Stats:
     """Count from now on into ``stats`` (a new one if None): call before building the model."""
-    _STATE.update(topology=topology, stats=stats or Stats())
-    return _STATE["stats"]
-
-
-def next_layer() -> int:
-    """A key for the next MoE layer built (1-based, in build order): Megatron sets layer_number only
-    after the MoE layer's __init__, where its dispatcher is instrumented."""
-    _STATE["layers"] = _STATE.get("layers", 0) + 1
-    return _STATE["layers"]
+    ctx = process_context()
+    ctx.measuring = Measuring(topology, stats or Stats())
+    ctx.restart_layers()
+    return ctx.measuring.stats
 
 
 def disable() -> None:
-    _STATE.clear()
+    ctx = process_context()
+    ctx.measuring = None
+    ctx.restart_layers()
 
 
 def stats() -> Stats | None:
-    return _STATE.get("stats")
+    measuring = process_context().measuring
+    return measuring.stats if measuring is not None else None
 
 
 def level(a: int, b: int) -> str:
     """The coarsest topology level global ranks a and b differ at ('local' if a == b)."""
-    topo: Topology = _STATE["topology"]
+    topo = process_context().measuring.topology
     for name, ca, cb in zip(topo.level_names, coords_of(a, topo.level_counts), coords_of(b, topo.level_counts),
                             strict=True):
         if ca != cb:

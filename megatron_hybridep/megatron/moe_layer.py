@@ -34,7 +34,7 @@ from torch.func import functional_call
 from megatron_hybridep.megatron import measure
 from megatron_hybridep.megatron.dispatcher import HybridEPTokenDispatcher, expert_order, instrument
 from megatron_hybridep.megatron.replica_experts import replica_experts
-from megatron_hybridep.runtime.context import HybridEPRuntime, get_runtime
+from megatron_hybridep.runtime.context import HybridEPRuntime, process_context
 from megatron_hybridep.runtime.groups import PlanGroups, crossing_level
 from megatron_hybridep.runtime.migration import DomainGather, SharedExpert
 from megatron_hybridep.runtime.replication import ReplicaExchange
@@ -83,7 +83,7 @@ class HybridEPMoELayer(MoELayer):
             self._measure_plain_ep()
             return
         _check_config(config)
-        runtime = get_runtime()
+        runtime = process_context().runtime
         if runtime is None:
             raise HybridEPConfigError(
                 "moe_token_dispatcher_type='hybridep' but no HybridEP runtime is set up: call "
@@ -103,7 +103,7 @@ class HybridEPMoELayer(MoELayer):
         self._shared = (SharedExpert(runtime.ep_group, self.config.num_moe_experts, cfg.shared_refresh_every)
                         if cfg.compresses_weights and cfg.use_shared else None)
         self._pg_collection = pg_collection
-        self._index = runtime.register_layer(self)  # before the plans' machinery: it keys their statistics
+        self._key = process_context().register_moe_layer(self)  # before the plans' machinery: it keys their statistics
         self._plan_state = [self._build_for_plan(g, pg_collection) for g in runtime.groups]
         self._replica_out: torch.Tensor | None = None
         self.token_dispatcher = self._plan_state[runtime.active].dispatcher
@@ -114,7 +114,8 @@ class HybridEPMoELayer(MoELayer):
         if stats is None or not isinstance(self.token_dispatcher, MoEAlltoAllTokenDispatcher):
             return
         ranks = dist.get_process_group_ranks(self.token_dispatcher.ep_group)
-        instrument(self.token_dispatcher, stats, measure.next_layer(), measure.levels_towards(ranks, dist.get_rank()))
+        instrument(self.token_dispatcher, stats, process_context().register_moe_layer(),
+                   measure.levels_towards(ranks, dist.get_rank()))
 
     @property
     def _active(self) -> PlanState:
@@ -178,7 +179,7 @@ class HybridEPMoELayer(MoELayer):
     def _layer_key(self) -> int:
         """This rank's MoE layer ordinal, 1-based: the statistics' key. Not layer_number: Megatron sets
         it after __init__, so every layer's machinery was keyed 0 (one layer's routing counted twice)."""
-        return self._index + 1
+        return self._key
 
     def _defer(self) -> bool:
         return self._runtime.defer_grad_return
@@ -276,7 +277,7 @@ class HybridEPMoELayer(MoELayer):
             expert_output, bias = self.experts(dispatched, tokens_per_expert, permuted_probs)
         else:
             expert_output, bias = self._domain_experts(gather, dispatched, tokens_per_expert, permuted_probs)
-        self._runtime.after_experts(self._index)
+        self._runtime.after_experts(self._key - 1)
         assert bias is None, "expert bias is not supported by the hybridep dispatcher"
         return self.token_dispatcher.combine_preprocess(expert_output), None
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_hybridep.megatron.compat import check_megatron_version
 from megatron_hybridep.plan.plan import Plan
-from megatron_hybridep.runtime.context import HybridEPRuntime, get_runtime, set_runtime
+from megatron_hybridep.runtime.context import HybridEPRuntime, process_context
 from megatron_hybridep.runtime.migration import MigrationConfig
 
 _SPEC_MODULES = ("megatron.core.models.gpt.moe_module_specs",)
@@ -50,14 +50,14 @@ def setup(plans: Sequence[Plan], ep_group: dist.ProcessGroup | None = None, acti
         ep_group = parallel_state.get_expert_model_parallel_group()
     register()
     runtime = HybridEPRuntime(plans, ep_group, active=active, prefetch=prefetch, migration=migration)
-    set_runtime(runtime)
+    process_context().set_runtime(runtime)
     return runtime
 
 
 def teardown() -> None:
     """Forget the runtime (tests and jobs that rebuild the model)."""
-    runtime = get_runtime()
-    if runtime is not None:
-        for layer in runtime.layers:
+    ctx = process_context()
+    if ctx.runtime is not None:
+        for layer in ctx.runtime.layers:
             layer.drop_gather()
-    set_runtime(None)
+    ctx.set_runtime(None)

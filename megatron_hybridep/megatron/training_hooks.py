@@ -34,14 +34,14 @@ def after_each_step() -> None:
     opt_param_scheduler, config, ...))."""
     from megatron.training import training
 
-    from megatron_hybridep.runtime.context import get_runtime
+    from megatron_hybridep.runtime.context import process_context
 
     inner = training.train_step
     if getattr(inner, "_hybridep", False):
         return
 
     def train_step(*args: Any, **kwargs: Any) -> Any:
-        runtime = get_runtime()
+        runtime = process_context().runtime
         config = kwargs.get("config", args[5] if len(args) > 5 else None)
         model = kwargs.get("model", args[2] if len(args) > 2 else None)
         if runtime is not None and config is not None and model is not None:

@@ -1,5 +1,7 @@
 """The job-wide HybridEP runtime: the plans a job may switch between, their process groups, the
-active plan, the MoE layers in forward order (for prefetching) and the measurements.
+active plan, the MoE layers in forward order (for prefetching) and the measurements; and the
+process's one context object (``process_context()``), which holds it with the rest of the process's
+mutable runtime state.
 
 Knows nothing of Megatron: the layers it holds only need ``start_gather(plan_index)``.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -17,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.plan import Plan
+from megatron_hybridep.plan.topology import Topology
 from megatron_hybridep.runtime.groups import PlanGroups, build_plan_groups, validate_for_job
 from megatron_hybridep.runtime.instrument import Stats
 from megatron_hybridep.runtime.migration import MigrationConfig
@@ -209,13 +213,63 @@ class HybridEPRuntime:
         self.active = plan_index
 
 
-_RUNTIME: HybridEPRuntime | None = None
+@dataclasses.dataclass
+class Measuring:
+    """Bytes counted per link level while a job measures (megatron/measure.py)."""
+
+    topology: Topology
+    stats: Stats
 
 
-def set_runtime(runtime: HybridEPRuntime | None) -> None:
-    global _RUNTIME
-    _RUNTIME = runtime
+@dataclasses.dataclass
+class Heartbeat:
+    """This process's progress (train/launch.py ``progress()``): what its beacon answers a peer
+    (runtime/reachability.py) and, inside a run_ranks rank, the shared slots its parent watches."""
+
+    beats: int = 0
+    iteration: int = 0
+    phase: str = "start-up"
+    when: float = dataclasses.field(default_factory=time.monotonic)
+    slots: tuple[Any, Any, int] | None = None  # (numbers, phases, rank) inside run_ranks
+    steps: list[float] = dataclasses.field(default_factory=list)  # recent step seconds, for the median
 
 
-def get_runtime() -> HybridEPRuntime | None:
-    return _RUNTIME
+@dataclasses.dataclass
+class ProcessContext:
+    """All of this process's mutable runtime state, in one object: the HybridEP runtime (None
+    without hybridep), the measurement (None when not measuring), the one MoE-layer counter and the
+    launcher's heartbeat."""
+
+    runtime: HybridEPRuntime | None = None
+    measuring: Measuring | None = None
+    moe_layers: int = 0  # MoE layers of the model being built: their statistics' keys
+    heartbeat: Heartbeat = dataclasses.field(default_factory=Heartbeat)
+
+    def set_runtime(self, runtime: HybridEPRuntime | None) -> None:
+        self.runtime = runtime
+        self.restart_layers()
+
+    def restart_layers(self) -> None:
+        """A new model: count on after the layers the runtime already holds (none for a new one)."""
+        self.moe_layers = len(self.runtime.layers) if self.runtime is not None else 0
+
+    def register_moe_layer(self, layer: GatheringLayer | None = None) -> int:
+        """The key of the next MoE layer built: 1-based, in build order (Megatron sets layer_number
+        only after the layer's __init__). A layer that gathers also joins the runtime's layers, at
+        position key - 1 (the prefetch order)."""
+        self.moe_layers += 1
+        if layer is not None:
+            if self.runtime is None:
+                raise RuntimeError("hybridep: a gathering MoE layer was built with no HybridEP runtime set up")
+            if self.runtime.register_layer(layer) != self.moe_layers - 1:
+                raise RuntimeError("hybridep: a measured plain MoE layer was built among the runtime's layers; "
+                                   "their keys and prefetch order would disagree")
+        return self.moe_layers
+
+
+_CONTEXT = ProcessContext()  # the only module-level mutable state: everything else lives inside it
+
+
+def process_context() -> ProcessContext:
+    """The one context object of this process (each rank is its own process)."""
+    return _CONTEXT

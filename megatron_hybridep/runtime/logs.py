@@ -1,7 +1,8 @@
 """Logs a person can read: a warning every rank would raise the same way is logged once (rank 0),
 and the known-harmless warnings of a CPU run (no TransformerEngine/Apex by design, Megatron's own
-deprecated calls) are filtered in every rank process. Importing this module installs the filters:
-train/launch.py preloads it in its fork server, which imports Megatron before any rank starts."""
+deprecated calls, torch's "No CUDA runtime is found" line) are filtered in every rank process.
+Importing this module installs the filters: train/launch.py preloads it in its fork server, which
+imports Megatron before any rank starts."""
 
 from __future__ import annotations
 
@@ -16,9 +17,16 @@ HARMLESS = (r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*",
             r".*`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated.*")
 
 
+def _drop_no_cuda_runtime_line(record: logging.LogRecord) -> bool:
+    # torch.utils.cpp_extension logs it when imported (Megatron imports it) wherever CUDA is not
+    # available, i.e. only in CPU runs, where no CUDA is the expected state
+    return not str(record.msg).startswith("No CUDA runtime is found")
+
+
 def quiet_known_warnings() -> None:
     for pattern in HARMLESS:
         warnings.filterwarnings("ignore", message=pattern)
+    logging.getLogger("torch.utils.cpp_extension").addFilter(_drop_no_cuda_runtime_line)  # a no-op if there
 
 
 def warn_once(log: logging.Logger, msg: str, *args: Any) -> None:

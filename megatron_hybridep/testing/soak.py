@@ -49,7 +49,7 @@ def rank(ctx: Any, argv: Sequence[str], switch_every: int, sample_every: int) ->
     every ``sample_every`` iterations, and the prebuilt plans (for a rebuild check)."""
     from megatron_hybridep.megatron.arguments import parse
     from megatron_hybridep.runtime import scheduler
-    from megatron_hybridep.runtime.context import get_runtime
+    from megatron_hybridep.runtime.context import process_context
     from megatron_hybridep.train import cpu_loop
 
     scheduler.SchedulerConfig = functools.partial(scheduler.SchedulerConfig, cycle_every=switch_every)
@@ -65,7 +65,7 @@ def rank(ctx: Any, argv: Sequence[str], switch_every: int, sample_every: int) ->
     out: dict[str, Any] = {"labels": [], "step_s": [], "samples": [], "switches": [], "prebuilt": None}
 
     def on_iteration(iteration: int, seconds: float, decision: Any) -> None:
-        runtime = get_runtime()
+        runtime = process_context().runtime
         if out["prebuilt"] is None:
             out["prebuilt"] = [p.to_json(indent=None) for p in runtime.plans]
         out["labels"].append(runtime.plan.label)

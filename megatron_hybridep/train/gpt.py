@@ -216,11 +216,11 @@ def run_iteration(chunks: list[Any], optimizer: Any, config: Any, batches: Seque
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_hybridep.megatron import grad_sync, measure
-    from megatron_hybridep.runtime.context import get_runtime
+    from megatron_hybridep.runtime.context import process_context
 
     if not batches:
         raise ValueError("train step: no micro-batches; fix: pass a non-empty list of (tokens, labels)")
-    runtime = get_runtime()
+    runtime = process_context().runtime
     grad_sync.install(config, chunks, runtime)  # idempotent; the bench may pre-set finalize
     config.grad_scale_func = optimizer.scale_loss
     for chunk in chunks:

@@ -24,12 +24,12 @@ def _model_provider(pre_process: bool = True, post_process: bool = True, vp_stag
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from megatron_hybridep.runtime.context import get_runtime
+    from megatron_hybridep.runtime.context import process_context
     from megatron_hybridep.train.planning import setup_from_args
 
     args = get_args()
     config = config or core_transformer_config_from_args(args)
-    if args.moe_token_dispatcher_type == "hybridep" and get_runtime() is None:
+    if args.moe_token_dispatcher_type == "hybridep" and process_context().runtime is None:
         setup_from_args(args, torch.distributed.get_world_size(), parallel_state.get_expert_model_parallel_group())
     spec = gpt.layer_spec(args.num_experts, qk_layernorm=args.qk_layernorm, grouped_gemm=args.moe_grouped_gemm,
                           transformer_engine=args.transformer_impl == "transformer_engine")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from megatron_hybridep.runtime.context import process_context
 from megatron_hybridep.runtime.logs import quiet_known_warnings
 
 # Imported once by the fork server so each rank starts in ~0.1 s instead of re-importing torch and
@@ -34,10 +35,6 @@ PRELOAD = ["megatron_hybridep.runtime.logs", "torch", "torch.distributed", "mega
 _CTX: mp.context.ForkServerContext | None = None
 _SLOTS = 4  # per rank: progress beats, iteration, median step seconds, predicted step seconds
 _PHASE = 32  # bytes of phase text per rank
-_BEAT: tuple[Any, Any, int, list[float]] | None = None  # (numbers, phases, rank, step seconds) in a rank
-_LAST: list[Any] = [0, 0, "start-up", time.monotonic()]  # beats, iteration, phase, when: progress_status()
-
-
 
 
 class RankFailure(RuntimeError):
@@ -80,12 +77,14 @@ def progress(iteration: int, phase: str, step_seconds: float | None = None,
              predicted_seconds: float | None = None) -> None:
     """Tell the launcher this rank is alive and where it is (no-op outside run_ranks). Cheap: two
     shared-memory writes, no syscall, so it may be called several times per iteration."""
-    _LAST[:] = [_LAST[0] + 1, iteration, phase, time.monotonic()]
-    if _BEAT is None:
+    beat = process_context().heartbeat
+    beat.beats, beat.iteration, beat.phase, beat.when = beat.beats + 1, iteration, phase, time.monotonic()
+    if beat.slots is None:
         return
-    numbers, phases, rank, steps = _BEAT
+    numbers, phases, rank = beat.slots
     base = rank * _SLOTS
     if step_seconds is not None:
+        steps = beat.steps
         steps.append(step_seconds)
         del steps[:-101]  # a window: the median of the last ~100 steps
         numbers[base + 2] = sorted(steps)[len(steps) // 2]
@@ -100,8 +99,8 @@ def progress(iteration: int, phase: str, step_seconds: float | None = None,
 def progress_status() -> str:
     """This rank's progress as one line, "beats iteration seconds-since phase" (what its beacon
     answers a peer whose collective timed out: runtime/reachability.py)."""
-    beats, iteration, phase, when = _LAST
-    return f"{beats} {iteration} {time.monotonic() - when:.1f} {phase}"
+    beat = process_context().heartbeat
+    return f"{beat.beats} {beat.iteration} {time.monotonic() - beat.when:.1f} {beat.phase}"
 
 
 @dataclass
@@ -126,8 +125,7 @@ def _context(start_method: str = "forkserver") -> mp.context.BaseContext:
 def _rank_main(fn: Callable, rank: int, world_size: int, port: int, timeout: float, threads: int,
                env: dict[str, str], dump_path: str, results: mp.Queue, beat: tuple, args: tuple,
                kwargs: dict) -> None:
-    global _BEAT
-    _BEAT = (*beat, rank, [])
+    process_context().heartbeat.slots = (*beat, rank)
     # Its own process group: the helpers it starts (Megatron's checkpoint writer) are killed with it,
     # even when it was SIGKILLed and they were left behind (a restart would pile them up)
     os.setpgid(0, 0)

@@ -49,6 +49,27 @@ def test_bad_flag_value_is_argparse_one_liner(capsys, monkeypatch):
     assert "argument --hybridep-stall-timeout" in err and "fix" in err and "Traceback" not in err
 
 
+def test_internal_failure_names_where_it_came_from_and_keeps_the_traceback(capsys, monkeypatch):
+    """Not bad input (here as torch's CUDA check inside Megatron once failed the parent's preflight):
+    still one line, but naming where it was raised, with the full traceback in a file."""
+    from megatron_hybridep.train import cpu_loop
+
+    def no_driver(*args, **kwargs):
+        raise RuntimeError("Found no NVIDIA driver on your system.")
+
+    monkeypatch.setattr(cpu_loop, "plan_job", no_driver)
+    rc, out, err, started = _main([], capsys, monkeypatch)
+    assert rc == 1 and not started
+    lines = [x for x in err.splitlines() if x.strip() and not re.match(r"[WI]\d{4} ", x)]
+    assert len(lines) == 1 and "Traceback" not in err + out, err
+    assert "RuntimeError: Found no NVIDIA driver" in lines[0], lines[0]
+    assert "tests/faults/test_bad_input.py:" in lines[0] and "in no_driver()" in lines[0], lines[0]
+    report = lines[0].rsplit("full traceback: ", 1)[1].rstrip(")")
+    text = open(report).read()
+    os.unlink(report)
+    assert "Traceback" in text and "in preflight" in text and "in no_driver" in text, text
+
+
 def test_error_only_a_rank_can_see_is_printed_once(tmp_path, capsys):
     import pretrain_moe
 

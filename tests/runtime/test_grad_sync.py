@@ -107,7 +107,7 @@ def test_gpu_train_step_wrapper_installs_grad_sync(monkeypatch):
         return "ok"
 
     monkeypatch.setattr(training, "train_step", fake_train_step)
-    monkeypatch.setattr(context, "_RUNTIME", runtime)
+    monkeypatch.setattr(context.process_context(), "runtime", runtime)
     config = types.SimpleNamespace(no_sync_func=None, finalize_model_grads_func=None)
     training_hooks.after_each_step()
     assert training.train_step(None, None, [_Chunk([])], None, None, config, None) == "ok"

@@ -35,6 +35,14 @@ def test_known_harmless_warnings_are_filtered():
     assert [str(w.message) for w in seen] == ["something else"]
 
 
+def test_torchs_no_cuda_runtime_line_is_dropped():
+    logs.quiet_known_warnings()
+    log = logging.getLogger("torch.utils.cpp_extension")
+    line = logging.makeLogRecord({"msg": "No CUDA runtime is found, using CUDA_HOME='%s'", "args": ("/usr/local",)})
+    assert not log.filter(line)
+    assert log.filter(logging.makeLogRecord({"msg": "Emitting ninja build file"}))
+
+
 def test_cpu_loop_drops_megatron_argument_table(capsys):
     from megatron_hybridep.train.cpu_loop import _without_args_table
 

@@ -11,14 +11,14 @@ from megatron_hybridep.train.launch import run_ranks
 def _step_stats(ctx, argv):
     """Run 2 iterations; snapshot the runtime's statistics of each at the log's reduction (just
     before they are reset), and whether the next gather had started by then."""
-    from megatron_hybridep.runtime.context import get_runtime
+    from megatron_hybridep.runtime.context import process_context
     from megatron_hybridep.train import reporting
 
     seen = []
     reduce = reporting.Reporter.reduce
 
     def snapshot(self, loss):
-        rt = get_runtime()
+        rt = process_context().runtime
         seen.append({"records": {k: (r.bytes, r.seconds, r.calls) for k, r in rt.stats.records.items()},
                      "routing": {k: v.tolist() for k, v in rt.stats.tokens_per_expert.items()},
                      "gathering": any(getattr(g.gather, "_pending", None) is not None

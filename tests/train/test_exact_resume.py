@@ -109,7 +109,7 @@ def _scheduled(ctx, argv):
 
     from megatron_hybridep.megatron.arguments import parse
     from megatron_hybridep.runtime import scheduler
-    from megatron_hybridep.runtime.context import get_runtime
+    from megatron_hybridep.runtime.context import process_context
     from megatron_hybridep.train import checkpoint, cpu_loop
     from tests.matrix.harness import PRESET
 
@@ -123,12 +123,12 @@ def _scheduled(ctx, argv):
 
     def recording_load(*args, **kwargs):
         out = load(*args, **kwargs)
-        runtime = get_runtime()
+        runtime = process_context().runtime
         after_load.update(plan=runtime.plan.label, state=getattr(runtime.scheduler, "state_dict", dict)())
         return out
 
     def on_iteration(iteration, seconds, decision):
-        active[:] = [get_runtime().plan.label]
+        active[:] = [process_context().runtime.plan.label]
         if decision is not None:
             decisions.append((iteration, decision.switched, decision.replan.plan.label))
 

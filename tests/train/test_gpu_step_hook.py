@@ -27,12 +27,12 @@ def test_megatron_train_step_is_wrapped_once_and_calls_the_runtime(monkeypatch):
         return ("loss", args, kwargs)
 
     monkeypatch.setattr(training, "train_step", fake_train_step)
-    monkeypatch.setattr(context, "_RUNTIME", Runtime())
+    monkeypatch.setattr(context.process_context(), "runtime", Runtime())
     training_hooks.after_each_step()
     training_hooks.after_each_step()  # idempotent: a second pretrain() in-process must not double-step
     assert training.train_step(1, k=2) == ("loss", (1,), {"k": 2})
     assert calls == ["megatron", "reset", "runtime"]
-    monkeypatch.setattr(context, "_RUNTIME", None)
+    monkeypatch.setattr(context.process_context(), "runtime", None)
     training.train_step()
     assert calls == ["megatron", "reset", "runtime", "megatron"]
 
@@ -78,7 +78,7 @@ def test_the_wrapped_step_runs_the_scheduler_before_the_runtime_learns_the_step(
             calls.append("runtime")
 
     monkeypatch.setattr(training, "train_step", lambda *a, **k: calls.append("megatron"))
-    monkeypatch.setattr(context, "_RUNTIME", Runtime())
+    monkeypatch.setattr(context.process_context(), "runtime", Runtime())
     training_hooks.after_each_step()
     training.train_step()
     training.train_step()

@@ -45,12 +45,13 @@ def test_tensor_parallel_layouts_pass_the_cpu_preflight():
     architecture under TP; the parent's preflight runs with the CPU runtime as the ranks do (it
     stopped with "Found no NVIDIA driver")."""
     import pretrain_moe
+    from megatron_hybridep.train.preflight import preflight
 
     for dispatcher in ("hybridep", "alltoall"):
         args = pretrain_moe._args([*BASE, "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                    "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
                                    "--moe-token-dispatcher-type", dispatcher])
-        pretrain_moe.preflight(args, 4)
+        preflight(args, 4)
 
 
 def test_off_changes_nothing(capsys):

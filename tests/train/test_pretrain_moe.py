@@ -13,6 +13,7 @@ from megatron_hybridep.train.launch import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRESET = os.path.join(REPO, "configs", "presets", "cpu_demo.yaml")
+NO_CUDA = "No CUDA runtime is found"
 
 
 def test_default_run_learns_the_synthetic_corpus():
@@ -24,6 +25,15 @@ def test_default_run_learns_the_synthetic_corpus():
     assert last < first - 1.5 and last < unigram - 1.0, out.stdout[-2000:]
     assert "plan               domains" in out.stdout  # the planner picked a HybridEP plan
     assert "inter-DC traffic" in out.stdout and "NOT shaped" in out.stdout
+    assert NO_CUDA not in out.stdout + out.stderr
+
+
+def test_no_cuda_runtime_line_stays_out_of_cpu_runs():
+    """torch logs it when Megatron imports torch.utils.cpp_extension on a machine without CUDA:
+    pretrain_moe.py filters it before that import (the ranks' fork server does too: runtime/logs.py)."""
+    out = subprocess.run([sys.executable, "-c", "import pretrain_moe, torch.utils.cpp_extension"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and NO_CUDA not in out.stdout + out.stderr, out.stderr[-2000:]
 
 
 def test_preset_keys_are_checked_and_command_line_wins(tmp_path):

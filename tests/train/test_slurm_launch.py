@@ -23,7 +23,7 @@ from megatron_hybridep.megatron.arguments import parse
 from megatron_hybridep.plan.plan import PlanError
 from megatron_hybridep.train.planning import choose, topology_for
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "scripts" / "slurm" / "pretrain_moe.sbatch"
 DC_MAP = REPO / "configs" / "slurm" / "dc_map.example.yaml"
 CPU_PRESET = REPO / "configs" / "presets" / "cpu_demo.yaml"
