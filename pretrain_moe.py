@@ -162,13 +162,13 @@ def main(argv: list[str]) -> int:
         summaries, restarts = restart.run_with_restarts(
             _rank_main, nproc, argv, max_restarts=args.hybridep_max_restarts, save=args.save,
             log=lambda line: print(line, flush=True), timeout=float(os.environ.get("HYBRIDEP_TIMEOUT", 3600)),
-            stall=rule)
+            stall=rule, forward_signals=True)
     except RankFailure as e:
         report = save_report(str(e))
         n = getattr(e, "restarts", 0)
         after = (f"; after {n} restart{'s' if n != 1 else ''}" if n else "") + (
             "; not restarted: an error of the run itself, not a fault (a restart would repeat it)"
-            if args.hybridep_max_restarts and not getattr(e, "restartable", True) else "")
+            if args.hybridep_max_restarts and not getattr(e, "restartable", True) and e.signalled is None else "")
         print(f"pretrain_moe.py: error: {restart.root_cause(e)}{after} (every rank's report: {report})",
               file=sys.stderr)
         return 1

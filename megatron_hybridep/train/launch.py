@@ -17,6 +17,7 @@ import pickle
 import queue
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -38,11 +39,13 @@ _PHASE = 32  # bytes of phase text per rank
 
 
 class RankFailure(RuntimeError):
-    """One or more ranks raised, crashed or timed out; the message holds every rank's report."""
+    """One or more ranks raised, crashed or timed out; the message holds every rank's report.
+    ``signalled``: the signal the launcher received and forwarded to the ranks (None: none)."""
 
-    def __init__(self, message: str, reports: dict[int, str]) -> None:
+    def __init__(self, message: str, reports: dict[int, str], signalled: int | None = None) -> None:
         super().__init__(message)
         self.reports = reports
+        self.signalled = signalled
 
 
 class StallFailure(RankFailure):
@@ -163,7 +166,7 @@ def _rank_main(fn: Callable, rank: int, world_size: int, port: int, timeout: flo
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
               env: dict[str, str] | None = None, threads: int | None = None, stall: StallRule | None = None,
-              start_method: str = "forkserver", **kwargs: Any) -> list[Any]:
+              start_method: str = "forkserver", forward_signals: bool = False, **kwargs: Any) -> list[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank.
 
     ``threads``: intra-op threads per rank; None = $HYBRIDEP_RANK_THREADS or 1 (tests vary it to
@@ -175,6 +178,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     the job (StallError in the report, naming rank, pid and last phase) without waiting for ``timeout``.
     ``start_method``: "forkserver" (preloaded imports, fast) or "spawn" (ranks that use CUDA: on a
     GPU machine forked ranks failed with "Cannot re-initialize CUDA in forked subprocess").
+    ``forward_signals``: a SIGTERM to this process (scancel, preemption, kill) is passed on to every
+    rank, which may save and stop (Megatron's --exit-signal-handler) or die; results then come back
+    as usual, or a RankFailure with ``signalled`` set. Ranks run in their own process groups, so
+    without this they would not see it.
     """
     import torch.distributed as dist
 
@@ -196,6 +203,20 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                  for r in range(world_size)]
         for p in procs:
             p.start()
+        signalled: list[int] = []
+
+        def forward(signum: int, frame: Any) -> None:
+            signalled.append(signum)
+            for p in procs:
+                if p.is_alive() and p.pid is not None:
+                    try:
+                        os.kill(p.pid, signum)
+                    except ProcessLookupError:
+                        pass
+
+        previous = None
+        if forward_signals and threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, forward)
         outputs: dict[int, Any] = {}
         failures: dict[int, str] = {}
         deadline = time.monotonic() + timeout + 15  # ranks dump their stacks at `timeout`
@@ -230,6 +251,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                     # fail on their own, then stop waiting.
                     deadline = min(deadline, time.monotonic() + 10)
         finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
             _stop(procs, dump_first=bool(failures))
             results.close()
         if failures:
@@ -240,7 +263,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             message = f"{len(failures)} of {world_size} ranks failed in {fn.__name__}:\n{body}"
             if stalled:
                 raise StallFailure(message, failures, stalled)
-            raise RankFailure(message, failures)
+            if signalled:
+                name = signal.Signals(signalled[0]).name
+                message = f"{name} received and forwarded to every rank; {message}"
+            raise RankFailure(message, failures, signalled[0] if signalled else None)
     return [outputs[r] for r in range(world_size)]
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -81,6 +82,9 @@ def root_cause(failure: RankFailure) -> str:
     """The root cause among the ranks' reports, one line: a rank that died, stalled or raised, before
     a peer whose collective failed because of it; the lowest rank first."""
     errors = {r: e for r, text in failure.reports.items() if (e := _own_error(text))}
+    if failure.signalled is not None:
+        return (f"stopped by {signal.Signals(failure.signalled).name} (forwarded to every rank); to save a "
+                "checkpoint first, run with --exit-signal-handler and --save")
     if not errors:
         return "every rank stopped; " + failure.reports[min(failure.reports)].splitlines()[0]
     rank = min(errors, key=lambda r: (looks_like_comm_failure(errors[r]) and not errors[r].startswith(
@@ -89,7 +93,10 @@ def root_cause(failure: RankFailure) -> str:
 
 
 def is_fault(failure: RankFailure) -> bool:
-    """A rank died, hung or stalled, or a collective failed: what a restart can get past."""
+    """A rank died, hung or stalled, or a collective failed: what a restart can get past. Not a
+    signal the launcher forwarded (someone asked the job to stop)."""
+    if failure.signalled is not None:
+        return False
     if isinstance(failure, StallFailure):
         return True
     errors = [e for text in failure.reports.values() if (e := _own_error(text))]

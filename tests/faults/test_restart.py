@@ -139,3 +139,35 @@ def test_only_faults_restart():
                            1: "stopped after another rank failed\n  File \"x\", line 1 in all_reduce"})
     assert [restart.is_fault(f) for f in (died, gloo, stall, bad)] == [True, True, True, False]
     assert restart.root_cause(died) == "rank 1: process died with exit code -9 before reporting"
+
+
+def _wait_for_term(ctx, parent, handle):
+    """Each rank (optionally) handles SIGTERM; after a barrier rank 0 sends SIGTERM to the launching
+    process, which must pass it on: a rank returns once its handler ran (or dies without one)."""
+    import threading
+
+    import torch.distributed as dist
+
+    got = threading.Event()
+    if handle:
+        signal.signal(signal.SIGTERM, lambda *_: got.set())
+    dist.barrier()
+    if ctx.rank == 0:
+        os.kill(parent, signal.SIGTERM)
+    if not got.wait(120):
+        raise AssertionError("no SIGTERM reached this rank")
+    return ctx.rank
+
+
+def test_the_launcher_forwards_sigterm_to_its_ranks():
+    """The local launcher (pretrain_moe.py without torchrun) passes a SIGTERM on to every rank, which
+    run in their own process groups: with a handler (Megatron's --exit-signal-handler) they stop
+    cleanly and the results come back; without one they die, and the failure names the signal and
+    is not restarted."""
+    assert run_ranks(_wait_for_term, 2, os.getpid(), True, timeout=120, forward_signals=True) == [0, 1]
+    with pytest.raises(RankFailure) as e:
+        run_ranks(_wait_for_term, 2, os.getpid(), False, timeout=120, forward_signals=True)
+    assert e.value.signalled == signal.SIGTERM and str(e.value).startswith("SIGTERM received and forwarded")
+    assert not restart.is_fault(e.value)
+    assert restart.root_cause(e.value).startswith("stopped by SIGTERM (forwarded to every rank)")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the launcher's handler is gone again
