@@ -71,6 +71,10 @@ def _launched_rank(argv: list[str]) -> int:
                           LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
     # every rank computes the same layout (a pure function of the flags); rank 0 says which
     args = _args(_with_layout(argv, int(os.environ["WORLD_SIZE"]), announce=os.environ.get("RANK") == "0"))
+    from megatron_hybridep.train.planning import ratio_notice
+
+    if os.environ.get("RANK") == "0" and (notice := ratio_notice(args)):
+        print(notice, flush=True)
     from megatron_hybridep.train import restart
 
     try:  # before any collective: the launcher (torchrun, the sbatch loop) restarts ranks, not this process
@@ -153,6 +157,10 @@ def main(argv: list[str]) -> int:
             return 1
         print(f"pretrain_moe.py: error: {one_line(e, args)}", file=sys.stderr)
         return 2
+    from megatron_hybridep.train.planning import ratio_notice
+
+    if notice := ratio_notice(args):
+        print(notice, flush=True)
     print(f"[pretrain_moe] launching {nproc} local CPU ranks (gloo) with "
           f"{args.config or 'command-line flags'}; inter-DC links are NOT shaped (loopback) — "
           "use 'hybridep bench' / the testbed for emulated WAN links", flush=True)

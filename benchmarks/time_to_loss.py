@@ -7,8 +7,8 @@ loss-vs-wall-clock curves.
 
 Systems (each with --overlap-grad-reduce, as a Megatron user runs it):
 - ep: alltoall EP over every rank;              - replicated: Megatron EP inside each DC;
-- hybridep: the planner's exact plan;           - hybridep-c: weights and returned gradients at
-- pp: one pipeline stage per DC, EP inside it;    --ratio (shared + top-k, top-k + error feedback);
+- hybridep: the planner's exact plan;           - hybridep-c: weights at --ratio and returned gradients
+- pp: one pipeline stage per DC, EP inside it;    at --grad-ratio (shared + top-k, top-k + error feedback);
 - auto: --hybridep-layout auto.
 The target is the loss the --reference system (default: alltoall EP) reaches at --target-at of its
 run (default: its last iteration); every curve is a moving mean over
@@ -39,9 +39,10 @@ from layout_vs_pp import MODEL, write_topology  # noqa: E402 - the same model an
 LINE = re.compile(r" iter +(\d+)/\d+ \| loss +([\d.]+|nan) \| step +([\d.]+) ms")
 
 
-def systems(dcs: int, world: int, ratio: float) -> dict[str, list[str]]:
+def systems(dcs: int, world: int, ratio: float, grad_ratio: float = 10.0) -> dict[str, list[str]]:
     pp = ["--pipeline-model-parallel-size", str(dcs), "--expert-model-parallel-size", str(world // dcs)]
-    comp = ["--hybridep-compression-ratio", f"{ratio:g}", "--hybridep-grad-compression-ratio", f"{ratio:g}"]
+    comp = ["--hybridep-compression-ratio", f"{ratio:g}", "--hybridep-grad-compression-ratio", f"{grad_ratio:g}",
+            "--hybridep-max-grad-compression-ratio", "0"]  # what is asked for, past the quality cap too
     return {"ep": ["--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", str(world)],
             "replicated": ["--hybridep-plan", "replicated", "--expert-model-parallel-size", str(world)],
             "hybridep": ["--expert-model-parallel-size", str(world)],
@@ -163,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="iterations whose extra time is not counted")
     p.add_argument("--window", type=int, default=10, help="logged iterations in the loss's moving mean")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--ratio", type=float, default=50.0, help="hybridep-c's weight and gradient compression ratio")
+    p.add_argument("--ratio", type=float, default=50.0, help="hybridep-c's weight compression ratio")
+    p.add_argument("--grad-ratio", type=float, default=10.0,
+                   help="hybridep-c's returned-gradient compression ratio (default: the runtime's quality cap)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--reference", default="ep", help="the system whose loss is the target (e.g. pp: the best "
                                                       "Megatron layout where the WAN binds)")
@@ -182,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         prepare_corpus()  # idempotent: "up to date" when already prepared
         args.data_path = default_prefix(None, austen.default_cache())
     world = args.dcs * args.ranks_per_dc
-    table = {k: v for k, v in systems(args.dcs, world, args.ratio).items() if k in args.systems.split(",")}
+    table = {k: v for k, v in systems(args.dcs, world, args.ratio, args.grad_ratio).items()
+             if k in args.systems.split(",")}
     if args.reference not in table:
         p.error(f"--systems: the target is {args.reference}'s loss; fix: keep {args.reference} in the list or "
                 "change --reference")

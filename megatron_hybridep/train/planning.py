@@ -72,15 +72,31 @@ def workload_for(args: argparse.Namespace) -> Workload:
     w = workload_from_settings({**vars(args), "hybridep_throughput_tflops": tflops}, "from arguments",
                                getattr(args, "data_parallel_size", None) or 0)
     return w.replace(compression_ratio=args.hybridep_compression_ratio,
-                     grad_compression_ratio=args.hybridep_grad_compression_ratio,
+                     grad_compression_ratio=grad_ratio(args),
                      borrowed_copies=getattr(args, "hybridep_borrowed_copies", None) or "auto",
                      async_grad_return=bool(getattr(args, "hybridep_async_grad_return", False)),
                      backend="gloo" if getattr(args, "distributed_backend", "nccl") == "gloo" else "nccl")
 
 
+def grad_ratio(args: argparse.Namespace) -> float:
+    """The returned-gradient compression the job runs: the requested ratio, capped by
+    --hybridep-max-grad-compression-ratio (0: no cap)."""
+    ratio, cap = args.hybridep_grad_compression_ratio, getattr(args, "hybridep_max_grad_compression_ratio", 0.0)
+    return min(ratio, cap) if cap and cap >= 1.0 else ratio
+
+
+def ratio_notice(args: argparse.Namespace) -> str | None:
+    """One line for the log when the cap lowered the requested ratio."""
+    if grad_ratio(args) >= args.hybridep_grad_compression_ratio:
+        return None
+    return (f"[pretrain_moe] --hybridep-grad-compression-ratio {args.hybridep_grad_compression_ratio:g} capped at "
+            f"{grad_ratio(args):g} (--hybridep-max-grad-compression-ratio): above it the returned gradients cost "
+            "model quality (docs/compression.md); raise the cap to accept that")
+
+
 def migration_from_args(args: argparse.Namespace) -> MigrationConfig:
     return MigrationConfig(compression_ratio=args.hybridep_compression_ratio,
-                           grad_compression_ratio=args.hybridep_grad_compression_ratio,
+                           grad_compression_ratio=grad_ratio(args),
                            use_shared=not args.hybridep_no_shared_expert,
                            shared_refresh_every=args.hybridep_shared_refresh_interval,
                            incremental=getattr(args, "hybridep_residual_base", "copy") == "copy",

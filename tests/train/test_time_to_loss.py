@@ -38,8 +38,8 @@ def test_every_system_trains_with_the_overlap_flag_and_the_same_data(ttl):
     table = ttl.systems(2, 4, 50.0)
     assert set(table) == {"ep", "replicated", "hybridep", "hybridep-c", "pp", "auto"}
     assert "--overlap-grad-reduce" in ttl.MODEL
-    assert table["hybridep-c"][-4:] == ["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio",
-                                        "50"]
+    assert table["hybridep-c"][-6:] == ["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio",
+                                        "10", "--hybridep-max-grad-compression-ratio", "0"]
     assert table["pp"][:2] == ["--moe-token-dispatcher-type", "alltoall"] and "--pipeline-model-parallel-size" in \
         table["pp"]
 
