@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO
+
 HYBRIDEP_CHOICE = "hybridep"
 
 
@@ -80,7 +82,7 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="expert weight compression for migration (1 = exact)")
     g.add_argument("--hybridep-grad-compression-ratio", type=float, default=1.0,
                    help="compression of borrowed experts' gradients returned to owners (1 = exact)")
-    g.add_argument("--hybridep-max-grad-compression-ratio", type=_cap, default=10.0,
+    g.add_argument("--hybridep-max-grad-compression-ratio", type=_cap, default=QUALITY_GRAD_RATIO,
                    help="cap on --hybridep-grad-compression-ratio (0 = none): at 50x the returned gradients cost "
                         "about 2%% in loss at equal steps over 8 seeds, 10x held within 1%% (docs/compression.md); "
                         "raise it to accept that cost")

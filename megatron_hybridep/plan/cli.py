@@ -17,7 +17,7 @@ from megatron_hybridep.plan.planner import (
     choose_plan_all_ep_sizes,
 )
 from megatron_hybridep.plan.topology import Topology
-from megatron_hybridep.plan.workload import Workload
+from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO, Workload
 from megatron_hybridep.plan.workload_args import add_workload_arguments, with_skew, workload_from_args
 
 
@@ -230,6 +230,10 @@ def header(r: PlanningResult) -> str:
         "cost      " + ("ours: forward+backward, alpha-beta links, uplink contention; exposed time per iteration"
                         if r.cost_model == "ours" else "paper: the stream model (forward only); time per iteration"),
     ]
+    if w.grad_compression_ratio > QUALITY_GRAD_RATIO:
+        lines.append(f"note      returned gradients at {w.grad_compression_ratio:g}x cost model quality above "
+                     f"{QUALITY_GRAD_RATIO:g}x (docs/compression.md); pretrain_moe.py caps them there unless "
+                     "--hybridep-max-grad-compression-ratio is raised")
     return "\n".join(lines)
 
 

@@ -21,6 +21,11 @@ BORROWED_COPIES = ("auto", "iteration", "microbatch")
 BACKENDS = ("nccl", "gloo")
 
 
+# Returned-gradient compression above this costs model quality (docs/compression.md, 8 seeds on real
+# text); the runtime caps it here by default (--hybridep-max-grad-compression-ratio).
+QUALITY_GRAD_RATIO = 10.0
+
+
 @dataclass(frozen=True)
 class Workload:
     hidden_size: int

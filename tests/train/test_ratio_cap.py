@@ -33,3 +33,17 @@ def test_a_bad_cap_is_refused(bad, capsys):
     with pytest.raises(SystemExit):
         parse(["--hybridep-max-grad-compression-ratio", bad])
     assert "--hybridep-max-grad-compression-ratio" in capsys.readouterr().err
+
+
+def test_the_plan_command_notes_a_ratio_past_the_cap(capsys):
+    import os
+
+    from megatron_hybridep.cli import main
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    base = ["plan", "--topology", os.path.join(root, "configs", "topologies", "2dc_x_8.yaml"), "--model",
+            os.path.join(root, "configs", "models", "paper-s.yaml"), "--tokens-per-rank", "4096", "--top", "1"]
+    assert main([*base, "--grad-compression-ratio", "50"]) == 0
+    assert "note      returned gradients at 50x cost model quality above 10x" in capsys.readouterr().out
+    assert main([*base, "--grad-compression-ratio", "10"]) == 0
+    assert "note " not in capsys.readouterr().out
