@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         spread = f"{statistics.fmean(deltas):+7.2f}% +- {sd:.2f} ({', '.join(f'{d:+.2f}' for d in deltas)})"
         ms = [step_ms[s, x] for x in seeds if (s, x) in step_ms]  # none: every curve from --from-csv
         print(f"{names[s]:44s} {statistics.fmean(final((s, seed)) for seed in seeds):10.4f} {spread:>30s} "
-              f"{statistics.median(ms) if ms else float('nan'):8.1f}")
+              f"{f'{statistics.median(ms):8.1f}' if ms else '       -'}")
         if len(seeds) > 1 and s != "alltoall":
             lo, hi = interval95(deltas)
             worst = max(range(len(seeds)), key=lambda i: deltas[i])

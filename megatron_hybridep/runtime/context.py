@@ -273,3 +273,8 @@ _CONTEXT = ProcessContext()  # the only module-level mutable state: everything e
 def process_context() -> ProcessContext:
     """The one context object of this process (each rank is its own process)."""
     return _CONTEXT
+
+
+def get_runtime() -> HybridEPRuntime | None:
+    """This process's HybridEP runtime (None before setup): the accessor patches/pretrain_gpt.patch uses."""
+    return process_context().runtime
