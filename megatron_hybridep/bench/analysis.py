@@ -174,6 +174,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         "hybridep_plans": session.info["chosen"], "planner_best_overall": session.info["planner_best"],
         "layouts": session.info.get("layouts", {}),  # pp's and auto's layout and stage plan per "point system"
         "overlap_grad_reduce": cfg.overlap_grad_reduce,
+        "grad_compression_ratio": cfg.grad_compression_ratio,
         "targets": [c.__dict__ for c in checks],
         "link_counters_check_mb": {"timed_windows": window, "shaped_segments": total},
         "all_to_all_probe": probe,
@@ -184,7 +185,9 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         f"testbed: {cfg.dcs} DCs x {cfg.ranks_per_dc} ranks, WAN {cfg.rate_text} per DC uplink "
         f"(TCP goodput {summary['goodput_mbit']:.1f} Mbit/s), model {cfg.model.name}, "
         f"{cfg.warmup} warm-up + {cfg.iters} timed iterations of {cfg.micro_batches} micro-batch(es) "
-        f"(borrowed copies: {cfg.borrowed_copies})",
+        f"(borrowed copies: {cfg.borrowed_copies})"
+        + (f"; HybridEP-c: weights {cfg.compression_ratio:g}x, returned gradients {cfg.grad_compression_ratio:g}x"
+           if "hybridep-compressed" in cfg.systems else ""),
         params_line(session.events),
         "", br.format_table(rows),
         "median of the timed iterations [min-max]; pred = cost-model prediction (WAN at the TCP goodput of the "

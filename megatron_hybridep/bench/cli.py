@@ -10,7 +10,8 @@ processes: gloo never frees old process groups' threads), steered by the parent 
 socket (bench/control); rank logs in <out>/logs/point<i>. Point by point, highest traffic first (tokens per rank =
 micro_batch x seq, --points values over a 32x range, so the token traffic per rank spans 32x like the
 paper's 6..192 MB), system by system (EP first, then replicated, HybridEP with exact migration, and
-HybridEP with weights and returned gradients top-k compressed, --compression-ratio):
+HybridEP with weights and returned gradients top-k compressed, --compression-ratio and
+--grad-compression-ratio):
 1. WAN unshaped: build the system, warm up, K iterations -> the unshaped step time the prediction
    starts from, and (EP) the compute the cost model is fed: T_pre and the expert speed;
 2. HybridEP's plan is the planner's (plan/planner.py, its own cost model) for a Topology of the

@@ -12,6 +12,7 @@ from typing import Any
 
 from megatron_hybridep.bench import predict as bp
 from megatron_hybridep.plan.errors import PlanError
+from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO
 from megatron_hybridep.testbed.sh import TestbedError
 from megatron_hybridep.testbed.shaping import parse_rate_mbit
 
@@ -24,7 +25,8 @@ LAYOUTS = ("pp", "auto")
 SPAN = 32  # token traffic range of the sweep (paper: 6..192 MB)
 DEFAULTS: dict[str, Any] = {"dcs": 2, "ranks_per_dc": 2, "rate": "50mbit", "points": 6, "min_tokens": 128,
                             "seq": 128, "warmup": 2, "iters": 7, "systems": ",".join(SYSTEMS), "timeout": 1800.0,
-                            "burst_ms": 1.0, "compression_ratio": 50.0, "micro_batches": 1,
+                            "burst_ms": 1.0, "compression_ratio": 50.0, "grad_compression_ratio": QUALITY_GRAD_RATIO,
+                            "micro_batches": 1,
                             "borrowed_copies": "auto", "overlap_grad_reduce": True}
 COPIES = ("auto", "iteration", "microbatch")  # --hybridep-borrowed-copies; auto = iteration (bench models fit)
 # --smoke: the same path end to end, small enough for CI (< 60 s on 2 cores)
@@ -61,8 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "1 ms, like a real link that banks no idle time; 0 keeps the testbed's >= 70 KB)")
     parser.add_argument("--compression-ratio", type=float, default=None,
                         help=f"{COMPRESSED}: element ratio of the shipped expert weights "
-                             f"(shared + top-k residual) and of the returned gradients (top-k, error feedback) "
-                             f"(default {d['compression_ratio']:g})")
+                             f"(shared + top-k residual) (default {d['compression_ratio']:g})")
+    parser.add_argument("--grad-compression-ratio", type=float, default=None,
+                        help=f"{COMPRESSED}: element ratio of the returned gradients (top-k, error feedback); "
+                             f"default {d['grad_compression_ratio']:g}, the runtime's quality cap "
+                             "(docs/compression.md)")
     parser.add_argument("--micro-batches", type=int, default=None,
                         help="micro-batches per iteration at every point, each of the point's micro_batch x seq "
                              "tokens, through Megatron's schedule (gradients reduced once per iteration; default 1)")
@@ -101,6 +106,7 @@ class BenchConfig:
     smoke: bool
     burst_ms: float
     compression_ratio: float = DEFAULTS["compression_ratio"]
+    grad_compression_ratio: float = DEFAULTS["grad_compression_ratio"]
     quiet: bool = False
     micro_batches: int = 1
     borrowed_copies: str = "auto"
@@ -128,7 +134,8 @@ class BenchConfig:
                  "--warmup", str(self.warmup), "--iters", str(self.iters), "--systems", ",".join(self.systems),
                  "--burst-ms", f"{self.burst_ms:g}"]
         if COMPRESSED in self.systems:
-            argv += ["--compression-ratio", f"{self.compression_ratio:g}"]
+            argv += ["--compression-ratio", f"{self.compression_ratio:g}",
+                     "--grad-compression-ratio", f"{self.grad_compression_ratio:g}"]
         argv += ["--micro-batches", str(self.micro_batches)]
         if self.borrowed_copies != "auto":
             argv += ["--borrowed-copies", self.borrowed_copies]
@@ -203,11 +210,15 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     if not ratio > 1:
         raise BenchError(f"--compression-ratio: must be > 1 for {COMPRESSED}, got {ratio:g}; fix: e.g. 50, or drop "
                          f"{COMPRESSED} from --systems")
+    grad_ratio = float(get("grad_compression_ratio"))
+    if not grad_ratio >= 1:
+        raise BenchError(f"--grad-compression-ratio: must be >= 1 (1 = exact gradients), got {grad_ratio:g}; "
+                         f"fix: e.g. {QUALITY_GRAD_RATIO:g}")
     micro = int(get("micro_batches"))
     if micro < 1:
         raise BenchError(f"--micro-batches: must be >= 1, got {micro}; fix: e.g. --micro-batches 4")
     out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     return BenchConfig(model, model_path or "builtin", dcs, k, rate, rate_text, sweep(min_tokens, seq, points), seq,
                        min_tokens, warmup, iters, systems, out, float(get("timeout")), bool(args.smoke), burst_ms,
-                       ratio, bool(getattr(args, "quiet", False)), micro, str(get("borrowed_copies")),
+                       ratio, grad_ratio, bool(getattr(args, "quiet", False)), micro, str(get("borrowed_copies")),
                        bool(get("overlap_grad_reduce")))

@@ -130,9 +130,10 @@ class Calibration:
     def workload(self, shape: ModelShape, tokens: int, seq: int, compression_ratio: float = 1.0,
                  shared_sync_bytes_per_layer: float = 0.0, micro_batches: int = 1,
                  hold_copies: bool = True, overlap_grad_reduce: bool = False,
-                 dense_params: int | None = None) -> Workload:
+                 dense_params: int | None = None, grad_compression_ratio: float | None = None) -> Workload:
         """tokens: per micro-batch; the timings are per iteration of `micro_batches` micro-batches.
-        compression_ratio: weights and returned gradients (the bench's compressed HybridEP);
+        compression_ratio: shipped weights, grad_compression_ratio: returned gradients (default: the
+        same) of the bench's compressed HybridEP;
         hold_copies: borrowed copies held for the iteration (--borrowed-copies); dense_params: the
         model's non-expert parameters as its ranks counted them (the cost model then prices their
         data-parallel reduction, overlapped under overlap_grad_reduce, over each layout's DP group)."""
@@ -145,7 +146,8 @@ class Calibration:
             micro_batches=micro_batches,
             activation_bytes=FP32, weight_bytes=FP32, grad_bytes=FP32,
             t_pre_ms=self.t_pre_s / shape.num_layers / micro_batches * 1e3, throughput_tflops=tflops,
-            compression_ratio=compression_ratio, grad_compression_ratio=compression_ratio,
+            compression_ratio=compression_ratio,
+            grad_compression_ratio=compression_ratio if grad_compression_ratio is None else grad_compression_ratio,
             shared_sync_bytes_per_layer=shared_sync_bytes_per_layer, name=shape.name, backend="gloo",
             borrowed_copies="iteration" if hold_copies else "microbatch", overlap_grad_reduce=overlap_grad_reduce,
             dense_params=dense_params)

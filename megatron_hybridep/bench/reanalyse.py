@@ -49,6 +49,8 @@ def recorded_session(out: Path) -> tuple[dict[str, Any], Session]:
     args.out, args.quiet = str(out), True
     cfg = resolve(args)
     cfg.overlap_grad_reduce = bool(summary.get("overlap_grad_reduce", False))  # runs before the flag had none
+    # runs before --grad-compression-ratio returned gradients at the weights' ratio
+    cfg.grad_compression_ratio = float(summary.get("grad_compression_ratio", cfg.compression_ratio))
     session = Session(cfg, tb=None, log=io.StringIO())  # type: ignore[arg-type]  # nothing is shaped
     session.events = recorded_events(out)
     session.info.update(summary["probe"])

@@ -124,6 +124,7 @@ class Session:
                 order["plans"] = [self.choose_plan(point, system).to_dict()]
             if system == COMPRESSED:
                 order["compression_ratio"] = self.cfg.compression_ratio
+                order["grad_compression_ratio"] = self.cfg.grad_compression_ratio
             if system in LAYOUTS:
                 order.update(self.choose_layout(point, system))
             return order
@@ -153,7 +154,8 @@ class Session:
             return calib.workload(self.cfg.model, point["tokens"], point["seq"], **mode)
         sync = next((m.get("shared_sync_bytes_per_layer", 0.0) for m in events if m["event"] == "model"
                      and m["system"] == COMPRESSED), 0.0)
-        return calib.workload(self.cfg.model, point["tokens"], point["seq"], self.cfg.compression_ratio, sync, **mode)
+        return calib.workload(self.cfg.model, point["tokens"], point["seq"], self.cfg.compression_ratio, sync,
+                              grad_compression_ratio=self.cfg.grad_compression_ratio, **mode)
 
     def choose_plan(self, point: int, system: str = "hybridep") -> Plan:
         """The planner's HybridEP plan for this point and system, from EP's calibration of it."""

@@ -210,7 +210,8 @@ class Worker:
         if args.dispatcher == "hybridep":
             plans = [Plan.from_dict(p) for p in order["plans"]]
             if order.get("compression_ratio"):
-                migration, sync_bytes = self._migration(order["compression_ratio"])
+                migration, sync_bytes = self._migration(order["compression_ratio"],
+                                                        order.get("grad_compression_ratio", order["compression_ratio"]))
             elif not self.spec.get("hold_copies", True):
                 from megatron_hybridep.runtime.migration import MigrationConfig
 
@@ -254,14 +255,14 @@ class Worker:
         del state
         dist.barrier()
 
-    def _migration(self, ratio: float) -> tuple[Any, float]:
-        """Compressed migration (weights and returned gradients at `ratio`) and its shared-expert
+    def _migration(self, ratio: float, grad_ratio: float) -> tuple[Any, float]:
+        """Compressed migration (weights at `ratio`, returned gradients at `grad_ratio`) and its shared-expert
         refresh bytes per MoE layer and step for the cost model (0 when the copies are refreshed
         incrementally, or the shared expert is frozen)."""
         from megatron_hybridep.runtime.compression import SharedExpertRule
         from megatron_hybridep.runtime.migration import MigrationConfig
 
-        cfg = MigrationConfig(compression_ratio=ratio, grad_compression_ratio=ratio,
+        cfg = MigrationConfig(compression_ratio=ratio, grad_compression_ratio=grad_ratio,
                               hold_copies=self.spec.get("hold_copies", True))
         m = self.spec["model"]
         expert = 2 * m["hidden_size"] * m["ffn_hidden_size"]

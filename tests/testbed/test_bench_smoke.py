@@ -134,6 +134,8 @@ def test_default_sweep_spans_32x_as_micro_batch_times_seq():
     assert "--rate 50mbit" in cfg.command() and "--points 6" in cfg.command()
     assert cfg.systems == ["ep", "replicated", "hybridep", "hybridep-compressed", "pp", "auto"]
     assert "--compression-ratio 50" in cfg.command() and "--burst-ms 1" in cfg.command()
+    # returned gradients at the runtime's quality cap unless asked (docs/compression.md)
+    assert cfg.grad_compression_ratio == 10 and "--grad-compression-ratio 10" in cfg.command()
     assert cfg.overlap_grad_reduce and "overlap" not in cfg.command()  # on by default, as Megatron users run it
     off = resolve(_args(no_overlap_grad_reduce=None))
     assert not off.overlap_grad_reduce and "--no-overlap-grad-reduce" in off.command()
@@ -144,6 +146,7 @@ def test_default_sweep_spans_32x_as_micro_batch_times_seq():
     ({"min_tokens": 100, "seq": 64}, "--min-tokens"), ({"points": 1}, "--points"), ({"rate": "fast"}, "--rate"),
     ({"ranks_per_dc": 1}, "--systems replicated"), ({"dcs": 3}, "--model"), ({"burst_ms": -1}, "--burst-ms"),
     ({"compression_ratio": 1}, "--compression-ratio"), ({"micro_batches": 0}, "--micro-batches"),
+    ({"grad_compression_ratio": 0.5}, "--grad-compression-ratio"),
     ({"dcs": 4, "systems": "ep,pp"}, "--systems pp"),  # 2 layers cannot make 4 stages
 ])
 def test_bad_options_name_the_field_and_the_fix(kw, field):
@@ -249,6 +252,9 @@ def test_micro_batches_reach_the_command_and_the_workload():
     assert t4["token_a2a"] == pytest.approx(4 * t1["token_a2a"])  # EP's tokens cross the WAN per micro-batch
     assert t4["dense_grad_allreduce"] == t1["dense_grad_allreduce"]  # once per iteration
     assert bp.BUILTIN.token_traffic_bytes(4096, 4) == 4 * bp.BUILTIN.token_traffic_bytes(4096)
+    split = calib.workload(bp.BUILTIN, 4096, 128, 50.0, grad_compression_ratio=10.0)
+    assert (split.compression_ratio, split.grad_compression_ratio) == (50.0, 10.0)
+    assert calib.workload(bp.BUILTIN, 4096, 128, 50.0).grad_compression_ratio == 50.0
 
 
 def _param_split(ctx, model_path):
