@@ -21,7 +21,9 @@ class RankInfo:
     interface: str  # the DC's uplink interface (GLOO_SOCKET_IFNAME)
 
 
-class Network(Protocol):
+class EmulatedDCs(Protocol):
+    """What the launcher and the self-check need of an emulated multi-DC network (the Testbed)."""
+
     @property
     def dcs(self) -> int: ...
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from megatron_hybridep.testbed import netns
-from megatron_hybridep.testbed.interface import Network, RankInfo
+from megatron_hybridep.testbed.interface import EmulatedDCs, RankInfo
 from megatron_hybridep.testbed.sh import TestbedError
 
 KILL_GRACE_S = 3.0  # SIGTERM -> SIGKILL
@@ -38,7 +38,7 @@ WRAPPER_SLACK_S = 30.0  # the in-namespace `timeout` fires this long after the l
 MAX_OUTPUT_CHARS = 4_000_000  # per rank kept in memory (the tail); log_dir keeps everything
 
 
-def rank_layout(tb: Network, ranks_per_dc: int) -> list[RankInfo]:
+def rank_layout(tb: EmulatedDCs, ranks_per_dc: int) -> list[RankInfo]:
     world = tb.dcs * ranks_per_dc
     return [
         RankInfo(dc * ranks_per_dc + local, dc, local, world, ranks_per_dc, tb.netns(dc),
@@ -103,7 +103,7 @@ class RankGroup:
 
     def __init__(
         self,
-        tb: Network,
+        tb: EmulatedDCs,
         cmd: Sequence[str] | Callable[[RankInfo], Sequence[str]],
         *,
         ranks_per_dc: int | None = None,
@@ -142,7 +142,7 @@ class RankGroup:
             self.kill()
             raise
 
-    def _spawn(self, info: RankInfo, tb: Network, cmd: object, env: object, cwd: object) -> None:
+    def _spawn(self, info: RankInfo, tb: EmulatedDCs, cmd: object, env: object, cwd: object) -> None:
         argv = [str(a) for a in (cmd(info) if callable(cmd) else cmd)]
         if not argv:
             raise TestbedError("empty command")
@@ -325,14 +325,14 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
 
 
-def start(tb: Network, cmd: Sequence[str] | Callable[[RankInfo], Sequence[str]], **options: Any) -> RankGroup:
+def start(tb: EmulatedDCs, cmd: Sequence[str] | Callable[[RankInfo], Sequence[str]], **options: Any) -> RankGroup:
     """Start ranks_per_dc ranks (default: the testbed's) in every DC and return at once; ``options``
     as RankGroup's. cmd/env may be callables of RankInfo for per-rank arguments. `env` is added on top
     of this process's environment and the torch.distributed variables (it may override them)."""
     return RankGroup(tb, cmd, **options)
 
 
-def launch(tb: Network, cmd: Sequence[str] | Callable[[RankInfo], Sequence[str]], **options: Any) -> LaunchResult:
+def launch(tb: EmulatedDCs, cmd: Sequence[str] | Callable[[RankInfo], Sequence[str]], **options: Any) -> LaunchResult:
     """start(...) then wait(): per-rank exit codes and output; killed on timeout/failure."""
     return start(tb, cmd, **options).wait()
 
@@ -356,7 +356,7 @@ class ElasticResult:
         return len(self.attempts) - 1
 
 
-def launch_elastic(tb: Network, cmd: Sequence[str] | Callable[[RankInfo], Sequence[str]], *, max_restarts: int,
+def launch_elastic(tb: EmulatedDCs, cmd: Sequence[str] | Callable[[RankInfo], Sequence[str]], *, max_restarts: int,
                    on_start: Callable[[RankGroup, int], None] | None = None, **options: Any) -> ElasticResult:
     """What torchrun's elastic agent does with --max-restarts: start every rank; when one fails, stop
     them all (fail-fast) and start them all again, at most ``max_restarts`` times. Each start's ranks

@@ -29,7 +29,7 @@ from megatron_hybridep.testbed import netns
 from megatron_hybridep.testbed.sh import TestbedError
 
 if TYPE_CHECKING:
-    from megatron_hybridep.testbed.interface import Network
+    from megatron_hybridep.testbed.interface import EmulatedDCs
 
 # TCP payload per wire byte that tc's rate counts, MTU 1500: 1448 B payload (TCP timestamps on)
 # in 1514 B frames (Ethernet 14 + IP 20 + TCP 32 header bytes). A cost model that predicts
@@ -97,7 +97,7 @@ class SelfCheckReport:
 
 
 def measure_throughput(
-    tb: Network,
+    tb: EmulatedDCs,
     src_dc: int,
     dst_dc: int,
     *,
@@ -173,7 +173,7 @@ def _steady_mbit(samples: list[tuple[float, int]], until: float | None = None) -
     return (samples[-1][1] - start[1]) * 8 / window / 1e6, window
 
 
-def measure_two_way(tb: Network, a_dc: int, b_dc: int, *,
+def measure_two_way(tb: EmulatedDCs, a_dc: int, b_dc: int, *,
                     seconds: float = 1.0) -> tuple[LinkThroughput, LinkThroughput]:
     """One TCP connection between a_dc and b_dc carrying bulk data both ways at once for ~`seconds`:
     the goodput of each direction over the time both were sending (a -> b, b -> a)."""
@@ -243,7 +243,7 @@ def measure_two_way(tb: Network, a_dc: int, b_dc: int, *,
 
 
 def selfcheck(
-    tb: Network,
+    tb: EmulatedDCs,
     *,
     seconds: float = 1.0,
     tolerance: float = 0.10,
