@@ -103,3 +103,30 @@ def test_one_throughput_default():
     spec, run = load_model(os.path.join(PRESETS, "cpu_demo.yaml"))
     assert Workload.from_model(spec, **run).throughput_tflops == DEFAULT_THROUGHPUT_TFLOPS
     assert Workload.from_model(spec, **run, throughput_tflops=0.05).throughput_tflops == 0.05
+
+
+@pytest.mark.parametrize("name, heads", [("bench-moe", 2), ("bench-moe-deep", 2)])
+def test_bench_models_state_their_heads(name, heads):
+    from megatron_hybridep.bench import predict as bp
+
+    spec = bp.load_model(os.path.join(MODELS, f"{name}.yaml"))
+    assert (spec.num_attention_heads, spec.vocab_size, spec.name) == (heads, 256, name)
+
+
+@pytest.mark.parametrize("drop", ["num_attention_heads", "vocab_size"])
+def test_a_bench_model_without_heads_or_vocab_is_refused(tmp_path, drop):
+    """No guessing: the bench builds the GPT with both, so a file must state them."""
+    from megatron_hybridep.bench import predict as bp
+
+    d = yaml.safe_load(open(os.path.join(MODELS, "bench-moe.yaml")))
+    del d[drop]
+    with pytest.raises(PlanError, match=rf"b.yaml: {drop} must be stated.*fix: write a bench model YAML"):
+        bp.load_model(_write(tmp_path, "b.yaml", d))
+
+
+def test_the_bench_records_the_model_keys_its_runs_always_had():
+    from megatron_hybridep.bench import predict as bp
+
+    assert bp.recorded_model(bp.BUILTIN) == {
+        "name": "bench-cpu", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 64, "num_attention_heads": 4,
+        "num_experts": 8, "topk": 2, "vocab_size": 256}
