@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `hybridep bench` options (None = the default, or the --smoke value)."""
     d = DEFAULTS
     parser.add_argument("--model", default=None,
-                        help="model YAML (configs/models/*.yaml, num_layers == num_moe_layers); default: built-in "
+                        help="model YAML (configs/models/*.yaml: num_layers == num_moe_layers, heads and vocab_size "
+                             "stated); default: built-in "
                              f"{bp.BUILTIN.name} (2 layers, hidden 64, 8 experts of ffn 64, top-2)")
     parser.add_argument("--dcs", type=int, default=None, help=f"emulated DCs (default {d['dcs']})")
     parser.add_argument("--ranks-per-dc", type=int, default=None, help=f"ranks per DC (default {d['ranks_per_dc']})")
