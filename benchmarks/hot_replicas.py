@@ -52,12 +52,13 @@ def _skew(spec: dict, state) -> None:  # noqa: ANN001
 
 
 def _args(spec: dict, dispatcher: str):  # noqa: ANN201
+    from megatron_hybridep.plan.model import ModelSpec
     from megatron_hybridep.train.gpt import GPTMoEArgs
 
     skew = {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
             "moe_router_bias_update_rate": 0.0}
-    return GPTMoEArgs(**spec["model"], micro_batch_size=spec["tokens"] // spec["seq"], dispatcher=dispatcher,
-                      expert_model_parallel_size=spec["world"], extra_config=skew)
+    return GPTMoEArgs.from_model(ModelSpec(**spec["model"]), micro_batch_size=spec["tokens"] // spec["seq"],
+                                 dispatcher=dispatcher, expert_model_parallel_size=spec["world"], extra_config=skew)
 
 
 def _run(spec: dict, state, batches, iters: int, stats) -> tuple[list[float], float, float, dict]:  # noqa: ANN001
@@ -108,9 +109,10 @@ def _topology(spec: dict, wan_mbit: float | None = None):  # noqa: ANN202
 
 def _plan(spec: dict, counts, timer):  # noqa: ANN001, ANN201
     from megatron_hybridep.bench import predict as bp
+    from megatron_hybridep.plan.model import ModelSpec
     from megatron_hybridep.plan.planner import choose_plan
 
-    shape = bp.ModelShape(**{k: v for k, v in spec["model"].items() if k != "seq_length"})
+    shape = ModelSpec(**spec["model"])
     calib = bp.Calibration(timer["t_pre"], timer["expert_fwd"], timer["expert_rows"])
     work = calib.workload(shape, spec["tokens"], spec["seq"]).replace(routing_counts=counts)
     return work, choose_plan(_topology(spec), work, spec["world"], include_replicated=False)
@@ -200,7 +202,7 @@ def worker(spec: dict) -> None:
                 # shaped minus unshaped network time per plan from the cost model, calibrated as the bench's
                 # (bench/predict.py: token all-to-alls and long gradient returns at the probed share of the
                 # rate, the dense all-reduce from the model's real dense parameter count)
-                eff = _probe(spec, spec["tokens"] * spec["model"]["topk"] * spec["model"]["hidden_size"] * 4)
+                eff = _probe(spec, spec["tokens"] * spec["model"]["top_k"] * spec["model"]["hidden_size"] * 4)
                 dense = sum(p.numel() for p in state.model.module.parameters() if getattr(p, "allreduce", True))
                 unshaped = _topology(spec, spec["unshaped_mbit"])
                 delta = {p.label: bp.predict(_topology(spec), unshaped, work, p, dense, 0.0, eff, eff).phases
@@ -283,7 +285,7 @@ def main() -> int:
     if a.tokens % a.seq:
         p.error(f"--tokens ({a.tokens}) must be a multiple of --seq ({a.seq})")
     spec = {"model": {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": a.ffn, "num_attention_heads": 4,
-                      "num_experts": 8, "topk": 2, "vocab_size": 256, "seq_length": a.seq},
+                      "num_experts": 8, "top_k": 2, "vocab_size": 256, "seq_length": a.seq},  # a ModelSpec
             "experts": 8, "hot_experts": [int(x) for x in a.hot_experts.split(",")], "hot_bias": a.hot_bias,
             "tokens": a.tokens, "seq": a.seq, "world": 4, "rate_mbit": rate, "warmup": a.warmup,
             "iters": a.iters, "repeats": a.repeats, "timeout": a.timeout}

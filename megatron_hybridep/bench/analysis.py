@@ -64,7 +64,7 @@ def make_row(cfg: BenchConfig, e: dict[str, Any], base: dict[str, Any], pred: bp
     return br.Row(
         point=e["point"], tokens=e["tokens"], micro_batch=e["micro_batch"], seq=e["seq"],
         # EP's traffic at the same global batch (a layout with PP runs more micro-batches on fewer ranks)
-        micro_batches=m, token_traffic_mb=cfg.model.token_traffic_bytes(e["tokens"], cfg.micro_batches) / 1e6,
+        micro_batches=m, token_traffic_mb=bp.token_traffic_bytes(cfg.model, e["tokens"], cfg.micro_batches) / 1e6,
         system=e["system"], plan=e["plan"],
         iters=it, median_s=e["median_s"], min_s=min(steps), max_s=max(steps), q1_s=q1, q3_s=q3,
         speedup_vs_ep=ep_median / e["median_s"],
@@ -167,7 +167,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
     total = session.info["shaped_tx_bytes"] / cfg.dcs / 1e6
     summary = {
         "command": cfg.command(), "machine": machine(), "rate_mbit": cfg.rate_mbit,
-        "goodput_mbit": cfg.rate_mbit * TCP_GOODPUT_FRACTION, "model": cfg.model.__dict__,
+        "goodput_mbit": cfg.rate_mbit * TCP_GOODPUT_FRACTION, "model": bp.recorded_model(cfg.model),
         "points": cfg.points, "elapsed_s": elapsed_s, "probe": {k: session.info[k] for k in
                                                                 ("unshaped_wan_mbit", "intra_mbit")},
         "dense_params": dense_params,

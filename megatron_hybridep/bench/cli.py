@@ -48,6 +48,7 @@ below EP's token traffic per rank across the sweep.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -76,8 +77,9 @@ def run_bench(cfg: BenchConfig, log: IO[str] = sys.stdout) -> dict[str, Any]:
     """Bring up the testbed, run calibration + measurement, analyse; returns the summary."""
     cfg.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    spec = {"model": cfg.model.gpt_args(cfg.seq), "timeout_s": cfg.timeout, "micro_batches": cfg.micro_batches,
-            "hold_copies": cfg.hold_copies, "overlap_grad_reduce": cfg.overlap_grad_reduce}
+    spec = {"model": dataclasses.asdict(cfg.model), "seq": cfg.seq, "timeout_s": cfg.timeout,  # model: a ModelSpec
+            "micro_batches": cfg.micro_batches, "hold_copies": cfg.hold_copies,
+            "overlap_grad_reduce": cfg.overlap_grad_reduce}
     (cfg.out / "spec.json").write_text(json.dumps(spec, indent=1))
     repo = Path(__file__).resolve().parents[2]
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),

@@ -12,6 +12,7 @@ from typing import Any
 
 from megatron_hybridep.bench import predict as bp
 from megatron_hybridep.plan.errors import PlanError
+from megatron_hybridep.plan.model import ModelSpec
 from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO
 from megatron_hybridep.testbed.sh import TestbedError
 from megatron_hybridep.testbed.shaping import parse_rate_mbit
@@ -41,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register `hybridep bench` options (None = the default, or the --smoke value)."""
     d = DEFAULTS
     parser.add_argument("--model", default=None,
-                        help="model YAML (configs/models/*.yaml, num_layers == num_moe_layers); default: built-in "
+                        help="model YAML (configs/models/*.yaml: num_layers == num_moe_layers, heads and vocab_size "
+                             "stated); default: built-in "
                              f"{bp.BUILTIN.name} (2 layers, hidden 64, 8 experts of ffn 64, top-2)")
     parser.add_argument("--dcs", type=int, default=None, help=f"emulated DCs (default {d['dcs']})")
     parser.add_argument("--ranks-per-dc", type=int, default=None, help=f"ranks per DC (default {d['ranks_per_dc']})")
@@ -89,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---- configuration ---------------------------------------------------------------------------------
 @dataclass
 class BenchConfig:
-    model: bp.ModelShape
+    model: ModelSpec
     model_source: str
     dcs: int
     ranks_per_dc: int
@@ -196,7 +198,7 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     model_path = args.model
     try:
         model = bp.load_model(model_path) if model_path else bp.BUILTIN
-        model.check(dcs * k)
+        bp.check_model(model, dcs * k)
     except PlanError as exc:
         raise BenchError(f"--model: {exc}") from None
     if "pp" in systems and (model.num_layers % dcs or model.num_experts % k):

@@ -1,4 +1,4 @@
-"""Model side of `hybridep bench`: the benchmarked model's shape, the testbed as a plan Topology, the
+"""Model side of `hybridep bench`: the benchmarked model (a plan ModelSpec), the testbed as a plan Topology, the
 Workload of each point (fed with compute times measured on the unshaped testbed), the planner's
 choice and the cost model's predicted step time per phase. Pure Python + plan/: no torch.
 
@@ -32,6 +32,7 @@ from typing import Any
 from megatron_hybridep.plan.cost import CostModel
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.layout import Layout, LayoutResult
+from megatron_hybridep.plan.model import ModelSpec
 from megatron_hybridep.plan.network import Family
 from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.plan.plan import Plan
@@ -48,50 +49,14 @@ PHASES = (Phase.TOKEN_A2A, Phase.EXPERT_ALLGATHER, Phase.GRAD_RETURN, Phase.SHAR
 MEASURED = (Phase.TOKEN_DISPATCH, Phase.TOKEN_COMBINE, Phase.EXPERT_ALLGATHER, Phase.GRAD_RETURN)
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The GPT-MoE the bench trains (every layer MoE, GELU experts, fp32 on CPU)."""
-
-    name: str = "bench-cpu"
-    num_layers: int = 2
-    hidden_size: int = 64
-    ffn_hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_experts: int = 8
-    topk: int = 2
-    vocab_size: int = 256
-
-    def gpt_args(self, seq_length: int) -> dict[str, Any]:
-        """GPTMoEArgs fields (train/gpt.py)."""
-        return {"num_layers": self.num_layers, "hidden_size": self.hidden_size,
-                "ffn_hidden_size": self.ffn_hidden_size, "num_attention_heads": self.num_attention_heads,
-                "num_experts": self.num_experts, "topk": self.topk, "vocab_size": self.vocab_size,
-                "seq_length": seq_length}
-
-    @property
-    def expert_params(self) -> int:
-        return 2 * self.hidden_size * self.ffn_hidden_size
-
-    def token_traffic_bytes(self, tokens: int, micro_batches: int = 1) -> float:
-        """Token bytes one rank dispatches per iteration under EP: 4 all-to-alls (dispatch, combine,
-        and both again in the backward) per MoE layer and micro-batch, one row per selected expert."""
-        return 4.0 * self.num_layers * tokens * micro_batches * self.topk * self.hidden_size * FP32
+# The built-in bench model (every layer MoE, GELU experts, fp32 on CPU).
+BUILTIN = ModelSpec(name="bench-cpu", num_layers=2, hidden_size=64, ffn_hidden_size=64, num_attention_heads=4,
+                    num_experts=8, top_k=2, vocab_size=256)
 
 
-    def check(self, world: int) -> None:
-        if self.num_experts % world:
-            raise PlanError(f"model.num_experts: {self.num_experts} experts cannot be split over {world} ranks; "
-                            f"fix: use a multiple of {world} or change --dcs/--ranks-per-dc")
-        if self.hidden_size % self.num_attention_heads:
-            raise PlanError(f"model.hidden_size: {self.hidden_size} is not divisible by "
-                            f"{self.num_attention_heads} attention heads; fix: use a multiple of it")
-
-
-BUILTIN = ModelShape()
-
-
-def load_model(path: str) -> ModelShape:
-    """A configs/models/*.yaml Workload as the bench's model (all layers MoE, GELU experts)."""
+def load_model(path: str) -> ModelSpec:
+    """A configs/models/*.yaml the bench's GPT can build: every layer MoE, GELU experts, no shared
+    experts, heads and vocabulary stated (its run quantities are checked, then the bench measures its own)."""
     w = Workload.from_yaml(path)
     problems = []
     if w.layers != w.num_moe_layers:
@@ -101,12 +66,36 @@ def load_model(path: str) -> ModelShape:
         problems.append("gated_mlp must be false: the bench's experts are GELU MLPs")
     if w.shared_experts:
         problems.append("shared_experts must be 0")
+    for fld in ("num_attention_heads", "vocab_size"):
+        if not getattr(w, fld):
+            problems.append(f"{fld} must be stated (the GPT is built with it)")
     if problems:
-        raise PlanError(f"{path}: " + "; ".join(problems) + "; fix: write a bench model YAML without them")
-    heads = w.num_attention_heads or max(1, w.hidden_size // 16)  # stated, else 16-wide heads
-    return ModelShape(name=w.name or path, num_layers=w.num_moe_layers, hidden_size=w.hidden_size,
-                      ffn_hidden_size=w.ffn_hidden_size, num_attention_heads=heads,
-                      num_experts=w.num_experts, topk=w.top_k)
+        raise PlanError(f"{path}: " + "; ".join(problems) + "; fix: write a bench model YAML without them "
+                        "(see configs/models/bench-moe.yaml)")
+    return w.model.replace(name=w.name or path)
+
+
+def check_model(spec: ModelSpec, world: int) -> None:
+    """The bench's own limits: experts split evenly over every rank, whole attention heads."""
+    if spec.num_experts % world:
+        raise PlanError(f"model.num_experts: {spec.num_experts} experts cannot be split over {world} ranks; "
+                        f"fix: use a multiple of {world} or change --dcs/--ranks-per-dc")
+    if spec.hidden_size % spec.num_attention_heads:
+        raise PlanError(f"model.hidden_size: {spec.hidden_size} is not divisible by "
+                        f"{spec.num_attention_heads} attention heads; fix: use a multiple of it")
+
+
+def token_traffic_bytes(spec: ModelSpec, tokens: int, micro_batches: int = 1) -> float:
+    """Token bytes one rank dispatches per iteration under EP: 4 all-to-alls (dispatch, combine,
+    and both again in the backward) per MoE layer and micro-batch, one row per selected expert."""
+    return 4.0 * spec.num_moe_layers * tokens * micro_batches * spec.top_k * spec.hidden_size * FP32
+
+
+def recorded_model(spec: ModelSpec) -> dict[str, Any]:
+    """summary.json's "model": the keys runs have recorded since the bench began (readers compare runs)."""
+    return {"name": spec.name, "num_layers": spec.num_layers, "hidden_size": spec.hidden_size,
+            "ffn_hidden_size": spec.ffn_hidden_size, "num_attention_heads": spec.num_attention_heads,
+            "num_experts": spec.num_experts, "topk": spec.top_k, "vocab_size": spec.vocab_size}
 
 
 # ---- testbed -> plan inputs ------------------------------------------------------------------------
@@ -127,7 +116,7 @@ class Calibration:
     expert_fwd_s: float  # expert forward, all layers
     expert_rows: float  # token copies through the experts, all layers
 
-    def workload(self, shape: ModelShape, tokens: int, seq: int, compression_ratio: float = 1.0,
+    def workload(self, shape: ModelSpec, tokens: int, seq: int, compression_ratio: float = 1.0,
                  shared_sync_bytes_per_layer: float = 0.0, micro_batches: int = 1,
                  hold_copies: bool = True, overlap_grad_reduce: bool = False,
                  dense_params: int | None = None, grad_compression_ratio: float | None = None) -> Workload:
@@ -139,16 +128,13 @@ class Calibration:
         data-parallel reduction, overlapped under overlap_grad_reduce, over each layout's DP group)."""
         per_copy = self.expert_fwd_s / max(self.expert_rows, 1.0)
         tflops = 2.0 * shape.expert_params / per_copy / 1e12 if per_copy > 0 else 1.0
-        return Workload(
-            hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
-            num_experts=shape.num_experts, top_k=shape.topk, num_moe_layers=shape.num_layers,
-            num_layers=shape.num_layers, seq_length=seq, micro_batch_size=tokens // seq,
-            micro_batches=micro_batches,
+        return Workload.from_model(
+            shape.replace(seq_length=seq), micro_batch_size=tokens // seq, micro_batches=micro_batches,
             activation_bytes=FP32, weight_bytes=FP32, grad_bytes=FP32,
-            t_pre_ms=self.t_pre_s / shape.num_layers / micro_batches * 1e3, throughput_tflops=tflops,
+            t_pre_ms=self.t_pre_s / shape.num_moe_layers / micro_batches * 1e3, throughput_tflops=tflops,
             compression_ratio=compression_ratio,
             grad_compression_ratio=compression_ratio if grad_compression_ratio is None else grad_compression_ratio,
-            shared_sync_bytes_per_layer=shared_sync_bytes_per_layer, name=shape.name, backend="gloo",
+            shared_sync_bytes_per_layer=shared_sync_bytes_per_layer, backend="gloo",
             borrowed_copies="iteration" if hold_copies else "microbatch", overlap_grad_reduce=overlap_grad_reduce,
             dense_params=dense_params)
 
@@ -268,6 +254,7 @@ def best_domains_plan(result: PlanningResult) -> Plan:
     return dataclasses.replace(plan, predicted={}, link_bytes={})
 
 
-__all__ = ["BUILTIN", "Calibration", "MEASURED", "ModelShape", "NetworkTime", "PHASES", "Prediction",
-           "best_domains_plan", "candidate_plans", "choose_layout", "load_model", "network_time", "plan_for_point",
-           "pp_layout", "predict", "stage_plan", "system_plan", "testbed_topology"]
+__all__ = ["BUILTIN", "Calibration", "MEASURED", "NetworkTime", "PHASES", "Prediction", "best_domains_plan",
+           "candidate_plans", "check_model", "choose_layout", "load_model", "network_time", "plan_for_point",
+           "pp_layout", "predict", "recorded_model", "stage_plan", "system_plan", "testbed_topology",
+           "token_traffic_bytes"]

@@ -110,7 +110,7 @@ class Session:
                 self.probe()
                 self.set_shaped(True)
                 m = self.cfg.model  # EP's all-to-all of each point, bytes per rank
-                sizes = [p["tokens"] * m.topk * m.hidden_size * bp.FP32 for p in self.cfg.points]
+                sizes = [p["tokens"] * m.top_k * m.hidden_size * bp.FP32 for p in self.cfg.points]
                 return {"probe": {"sizes": sizes, "repeats": PROBE_REPEATS}}
             self.set_shaped(False)
             if not self.queue or self.launch_point not in (None, self.queue[0][0]):

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from megatron_hybridep.bench.control import CONTROL_ENV, ControlClient
 from megatron_hybridep.bench.predict import MEASURED
+from megatron_hybridep.plan.model import ModelSpec
 from megatron_hybridep.plan.phases import Phase
 
 PREFIX = "BENCH "
@@ -123,7 +124,8 @@ class Worker:
         self.unsent: list[dict[str, Any]] = []  # rank 0's events since its last control request
         from megatron_hybridep.data.synthetic import MarkovCorpus
 
-        self.corpus = MarkovCorpus(vocab_size=spec["model"]["vocab_size"])
+        self.model = ModelSpec(**spec["model"])  # the parent's (bench/cli.py)
+        self.corpus = MarkovCorpus(vocab_size=self.model.vocab_size)
 
     # ---- control ------------------------------------------------------------------------------
     def emit(self, event: str, **fields: Any) -> None:
@@ -180,17 +182,21 @@ class Worker:
         from megatron_hybridep.train.gpt import GPTMoEArgs
 
         system = order["system"]
-        model = {**self.spec["model"], "overlap_grad_reduce": self.spec.get("overlap_grad_reduce", False)}
+
+        def args(**run: Any) -> GPTMoEArgs:
+            return GPTMoEArgs.from_model(self.model, seq_length=self.spec["seq"],
+                                         overlap_grad_reduce=self.spec.get("overlap_grad_reduce", False), **run)
+
         if system == "ep":
-            return GPTMoEArgs(**model, dispatcher="alltoall", expert_model_parallel_size=self.world)
+            return args(dispatcher="alltoall", expert_model_parallel_size=self.world)
         if system == "replicated":  # EP inside each DC (contiguous rank blocks), experts replicated across DCs
-            return GPTMoEArgs(**model, dispatcher="alltoall", expert_model_parallel_size=self.ranks_per_dc)
+            return args(dispatcher="alltoall", expert_model_parallel_size=self.ranks_per_dc)
         if system in ("hybridep", "hybridep-compressed"):
-            return GPTMoEArgs(**model, dispatcher="hybridep", expert_model_parallel_size=self.world)
+            return args(dispatcher="hybridep", expert_model_parallel_size=self.world)
         if system in ("pp", "auto"):
             lay = order["layout"]
-            return GPTMoEArgs(**model, dispatcher=order["dispatcher"], expert_model_parallel_size=lay["ep"],
-                              pipeline_model_parallel_size=lay["pp"])
+            return args(dispatcher=order["dispatcher"], expert_model_parallel_size=lay["ep"],
+                        pipeline_model_parallel_size=lay["pp"])
         raise ValueError(f"unknown system {system!r}")
 
     def run_system(self, order: dict[str, Any]) -> None:
@@ -264,8 +270,7 @@ class Worker:
 
         cfg = MigrationConfig(compression_ratio=ratio, grad_compression_ratio=grad_ratio,
                               hold_copies=self.spec.get("hold_copies", True))
-        m = self.spec["model"]
-        expert = 2 * m["hidden_size"] * m["ffn_hidden_size"]
+        expert = self.model.expert_params
         sync = 0.0 if cfg.incremental else \
             SharedExpertRule(cfg.shared_refresh_every).sync_bytes_per_step(expert, torch.float32)
         return cfg, sync

@@ -5,12 +5,9 @@ flag, with the command line overriding them."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
-
-import yaml
 
 from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO
 
@@ -192,18 +189,14 @@ def preset_to_argv(preset: dict[str, Any], parser: argparse.ArgumentParser, sour
 
 
 def load_preset(path: str) -> dict[str, Any]:
-    if not os.path.exists(path):
-        raise PresetError(f"--config {path}: file not found; fix: pass a preset from configs/presets/")
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict):
-        raise PresetError(f"--config {path}: expected a mapping of flag names to values")
-    base = data.pop("base", None)  # presets may extend another preset
-    if base is not None:
-        merged = load_preset(os.path.join(os.path.dirname(path), base))
-        merged.update(data)
-        return merged
-    return data
+    """The preset with its ``base:`` chain (plan/presets.py's load_settings, which the planner reads too)."""
+    from megatron_hybridep.plan.errors import PlanError
+    from megatron_hybridep.plan.presets import load_settings
+
+    try:
+        return load_settings(path)
+    except PlanError as exc:
+        raise PresetError(f"--config {exc}") from None
 
 
 def parse(argv: Sequence[str], default_config: str | None = None) -> argparse.Namespace:

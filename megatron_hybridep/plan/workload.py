@@ -1,13 +1,14 @@
 """What the model sends: token bytes, expert bytes (exact or compressed), compute time, routing.
 
-Loaded from configs/models/*.yaml (keys = field names below). Every quantity is per rank, per MoE
-layer and per micro-batch unless its name says otherwise.
+A Workload is a model's architecture (plan/model.py's ModelSpec, whose fields it repeats) plus the
+run quantities below. Loaded through plan/model.py's load_model from configs/models/*.yaml (keys =
+field names below) or a configs/presets/*.yaml. Every quantity is per rank, per MoE layer and per
+micro-batch unless its name says otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from megatron_hybridep.plan import wire
 from megatron_hybridep.plan.errors import PlanError
-from megatron_hybridep.plan.fields import FieldReader, load_yaml
+from megatron_hybridep.plan.model import ARCHITECTURE, ModelSpec, load_model, model_from_dict
 
 BORROWED_COPIES = ("auto", "iteration", "microbatch")
 BACKENDS = ("nccl", "gloo")
@@ -24,6 +25,10 @@ BACKENDS = ("nccl", "gloo")
 # Returned-gradient compression above this costs model quality (docs/compression.md, 8 seeds on real
 # text); the runtime caps it here by default (--hybridep-max-grad-compression-ratio).
 QUALITY_GRAD_RATIO = 10.0
+
+# Achieved dense TFLOP/s per rank when a model states none: an H100-class GPU, as pretrain_moe.py
+# assumes on GPU (train/planning.py). Every configs/models file states its own.
+DEFAULT_THROUGHPUT_TFLOPS = 300.0
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ class Workload:
     #   gradients once; "microbatch": both in every micro-batch; "auto": iteration when its held memory fits
     backend: str = "nccl"                    # torch.distributed backend of the collectives: under gloo an exact
     #   gradient return is an all-to-all of chunks (runtime/migration.py), not a reduce-scatter ring
-    throughput_tflops: float = 100.0         # achieved dense throughput per rank, to estimate compute times
+    throughput_tflops: float = DEFAULT_THROUGHPUT_TFLOPS  # achieved dense TFLOP/s per rank: compute times
     t_pre_ms: float | None = None            # measured compute before the experts (fwd, per MoE layer)
     compression_ratio: float = 1.0           # parameters / values kept when shipping an expert (top-k residual)
     grad_compression_ratio: float = 1.0      # the same for the gradient returned to the owner
@@ -86,16 +91,15 @@ class Workload:
             if not cond:
                 raise PlanError(f"model.{fld}: {msg} (got {getattr(self, fld)!r}); fix: {fix}")
 
-        for fld in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k", "num_moe_layers", "seq_length",
-                    "micro_batch_size", "micro_batches", "activation_bytes", "weight_bytes", "grad_bytes",
-                    "main_grad_bytes", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+        self.model  # noqa: B018 - the architecture's checks (plan/model.py)
+        for fld in ("num_moe_layers", "micro_batch_size", "micro_batches", "activation_bytes", "weight_bytes",
+                    "grad_bytes", "main_grad_bytes", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                     "virtual_pipeline_model_parallel_size"):
             v = getattr(self, fld)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, fld, "must be a positive integer",
                  "set it from the model config")
-        for fld in ("num_layers", "tokens_per_rank", "dense_ffn_hidden_size", "shared_experts",
-                    "optimizer_bytes_per_param", "data_parallel_size", "vocab_size", "expert_tensor_parallel_size",
-                    "num_attention_heads"):
+        for fld in ("tokens_per_rank", "optimizer_bytes_per_param", "data_parallel_size",
+                    "expert_tensor_parallel_size"):
             v = getattr(self, fld)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, fld, "must be an integer >= 0",
                  "set it from the model config")
@@ -120,10 +124,6 @@ class Workload:
              "raise micro_batches or use the 1F1B schedule")
         need(not self.overlap_param_gather or self.distributed_optimizer, "overlap_param_gather",
              "needs distributed_optimizer (Megatron's rule)", "set distributed_optimizer or drop it")
-        need(self.top_k <= self.num_experts, "top_k", f"cannot exceed num_experts={self.num_experts}",
-             "lower --moe-router-topk")
-        need(self.num_layers == 0 or self.num_layers >= self.num_moe_layers, "num_layers",
-             f"must be >= num_moe_layers={self.num_moe_layers}", "count all transformer layers")
         need(self.throughput_tflops > 0, "throughput_tflops", "must be > 0",
              "give the achieved TFLOP/s per rank, or measure t_pre_ms")
         need(self.t_pre_ms is None or self.t_pre_ms >= 0, "t_pre_ms", "must be >= 0", "give a measured time")
@@ -155,6 +155,11 @@ class Workload:
         return a
 
     # ---- derived sizes -------------------------------------------------------------------------------
+    @property
+    def model(self) -> ModelSpec:
+        """The architecture alone (num_layers, num_moe_layers and dense_ffn_hidden_size resolved)."""
+        return ModelSpec(**{k: getattr(self, k) for k in ARCHITECTURE})
+
     @property
     def tokens(self) -> int:
         """Tokens per rank per micro-batch."""
@@ -295,36 +300,34 @@ class Workload:
 
     # ---- loading -------------------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: Any, source: str = "model") -> Workload:
-        r = FieldReader(data, source)
-        kwargs: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            if r.has(f.name):
-                kwargs[f.name] = r.raw(f.name)
-            else:
-                r.seen.add(f.name)
-        r.done()
-        routing = kwargs.get("routing_counts")
-        if isinstance(routing, str) and not os.path.isabs(routing) and source.endswith((".yaml", ".yml")):
-            kwargs["routing_counts"] = os.path.join(os.path.dirname(source), routing)
+    def from_model(cls, spec: ModelSpec, source: str = "model", **run: Any) -> Workload:
+        """``spec`` run with ``run`` (Workload field names other than the architecture's); errors
+        name ``source``."""
         try:
-            return cls(**kwargs)
-        except TypeError as exc:  # a required field is missing
-            missing = [f.name for f in dataclasses.fields(cls)
-                       if f.default is dataclasses.MISSING and f.name not in kwargs]
-            if missing:
-                raise PlanError(f"{source}.{missing[0]}: required field is missing ({exc}); "
-                                "fix: add it (see configs/models/ for examples)") from None
-            wrong = [f.name for f in dataclasses.fields(cls) if f.name in kwargs and ("int" in str(f.type) or
-                     "float" in str(f.type)) and not _is_number(kwargs[f.name])]
-            raise PlanError(f"{source}.{wrong[0] if wrong else '?'}: expected a number, got "
-                            f"{kwargs[wrong[0]] if wrong else exc!r}; fix: see configs/models/ for examples") from None
+            return cls(**spec.fields(), **run)
+        except TypeError:  # a value of the wrong type reached a check
+            wrong = [f.name for f in dataclasses.fields(cls) if f.name in run and ("int" in str(f.type) or
+                     "float" in str(f.type)) and not _is_number(run[f.name]) and run[f.name] is not None]
+            if not wrong:
+                raise
+            raise PlanError(f"{source}.{wrong[0]}: expected a number, got {run[wrong[0]]!r}; fix: see "
+                            "configs/models/ for examples") from None
         except PlanError as exc:
             raise PlanError(str(exc).replace("model.", f"{source}: ", 1)) from None
 
     @classmethod
+    def from_dict(cls, data: Any, source: str = "model") -> Workload:
+        spec, run = model_from_dict(data, source, RUN_FIELDS)
+        return cls.from_model(spec, source, **run)
+
+    @classmethod
     def from_yaml(cls, path: str) -> Workload:
-        return cls.from_dict(load_yaml(path), source=path)
+        """A configs/models/*.yaml or a configs/presets/*.yaml (plan/model.py's load_model)."""
+        spec, run = load_model(path, RUN_FIELDS)
+        return cls.from_model(spec, path, **run)
+
+
+RUN_FIELDS = tuple(f.name for f in dataclasses.fields(Workload) if f.name not in ARCHITECTURE)
 
 
 def codec_payload_bytes(numel: int, ratio: float, value_bytes: int) -> int:

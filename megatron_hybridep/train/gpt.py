@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from megatron_hybridep.plan.model import ModelSpec
+
 
 @dataclass
 class GPTMoEArgs:
@@ -38,6 +40,23 @@ class GPTMoEArgs:
     # torch.float64 for exactness tests: HybridEP vs alltoall then differ only by float64 rounding
     params_dtype: torch.dtype = torch.float32
     extra_config: dict[str, Any] = field(default_factory=dict)  # more TransformerConfig fields
+
+    @classmethod
+    def from_model(cls, spec: ModelSpec, **run: Any) -> GPTMoEArgs:
+        """The args for ``spec`` with run settings ``run`` (fields of this class; seq_length overrides
+        the spec's). build() makes every layer MoE with GELU experts of ffn_hidden_size (``topk`` is
+        the spec's top_k), so a spec it cannot build is refused."""
+        cannot = [what for what, bad in (
+            ("dense layers", spec.num_layers != spec.num_moe_layers), ("gated (SwiGLU) experts", spec.gated_mlp),
+            ("shared experts", spec.shared_experts), ("no num_attention_heads", not spec.num_attention_heads),
+            ("no vocab_size", not spec.vocab_size)) if bad]
+        if cannot:
+            raise ValueError(f"GPTMoEArgs.from_model: {spec.name or 'the model'} has {', '.join(cannot)}; fix: a "
+                             "spec with every layer MoE, GELU experts, heads and vocabulary stated")
+        shape = dict(num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
+                     num_attention_heads=spec.num_attention_heads, num_experts=spec.num_experts, topk=spec.top_k,
+                     vocab_size=spec.vocab_size, seq_length=spec.seq_length)
+        return cls(**{**shape, **run})
 
 
 @dataclass

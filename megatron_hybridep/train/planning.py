@@ -63,12 +63,13 @@ def workload_for(args: argparse.Namespace) -> Workload:
     """The planner's Workload from the parsed flags (plan/presets.py maps flag names: MoE layers from
     --moe-layer-freq, dtypes, distributed optimizer, TP, PP)."""
     from megatron_hybridep.plan.presets import workload_from_settings
+    from megatron_hybridep.plan.workload import DEFAULT_THROUGHPUT_TFLOPS
 
     tflops = args.hybridep_throughput_tflops
     if tflops is None:
         import torch
 
-        tflops = 300.0 if torch.cuda.is_available() else 0.05
+        tflops = DEFAULT_THROUGHPUT_TFLOPS if torch.cuda.is_available() else 0.05
     w = workload_from_settings({**vars(args), "hybridep_throughput_tflops": tflops}, "from arguments",
                                getattr(args, "data_parallel_size", None) or 0)
     return w.replace(compression_ratio=args.hybridep_compression_ratio,

@@ -251,7 +251,7 @@ def test_micro_batches_reach_the_command_and_the_workload():
     t4 = bp.predict(shaped, unshaped, four, ep, 60_000, 0.5).phases
     assert t4["token_a2a"] == pytest.approx(4 * t1["token_a2a"])  # EP's tokens cross the WAN per micro-batch
     assert t4["dense_grad_allreduce"] == t1["dense_grad_allreduce"]  # once per iteration
-    assert bp.BUILTIN.token_traffic_bytes(4096, 4) == 4 * bp.BUILTIN.token_traffic_bytes(4096)
+    assert bp.token_traffic_bytes(bp.BUILTIN, 4096, 4) == 4 * bp.token_traffic_bytes(bp.BUILTIN, 4096)
     split = calib.workload(bp.BUILTIN, 4096, 128, 50.0, grad_compression_ratio=10.0)
     assert (split.compression_ratio, split.grad_compression_ratio) == (50.0, 10.0)
     assert calib.workload(bp.BUILTIN, 4096, 128, 50.0).grad_compression_ratio == 50.0
@@ -263,7 +263,7 @@ def _param_split(ctx, model_path):
     from megatron_hybridep.train.gpt import GPTMoEArgs, build, initialize_parallel
 
     cpu_runtime.enable()
-    args = GPTMoEArgs(**bp.load_model(model_path).gpt_args(128))
+    args = GPTMoEArgs.from_model(bp.load_model(model_path), seq_length=128)
     initialize_parallel(args)
     gpt = build(args).model.module
     # one rank, EP 1: every parameter is all-reduced, so tell the experts by name
@@ -272,13 +272,28 @@ def _param_split(ctx, model_path):
     return sum(p.numel() for p in params.values()) - experts, experts
 
 
+def test_harness_args_from_a_model_spec():
+    """GPTMoEArgs.from_model: the spec's shape (top_k as the harness's topk), run settings on top;
+    a spec build() cannot make is refused."""
+    from megatron_hybridep.bench import predict as bp
+    from megatron_hybridep.train.gpt import GPTMoEArgs
+
+    args = GPTMoEArgs.from_model(bp.BUILTIN, seq_length=32, dispatcher="hybridep")
+    assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.num_attention_heads, args.num_experts,
+            args.topk, args.vocab_size, args.seq_length, args.dispatcher) == (2, 64, 64, 4, 8, 2, 256, 32, "hybridep")
+    with pytest.raises(ValueError, match="gated.*fix"):
+        GPTMoEArgs.from_model(bp.BUILTIN.replace(gated_mlp=True))
+    with pytest.raises(ValueError, match="dense layers.*fix"):
+        GPTMoEArgs.from_model(bp.BUILTIN.replace(num_layers=3))
+
+
 def test_bench_moe_model_is_expert_heavy():
     """configs/models/bench-moe.yaml: experts hold >= 90% of the built Megatron model's parameters."""
     from megatron_hybridep.bench import predict as bp
     from megatron_hybridep.train.launch import run_ranks
 
     m = bp.load_model("configs/models/bench-moe.yaml")
-    m.check(4)
+    bp.check_model(m, 4)
     dense, experts = run_ranks(_param_split, 1, "configs/models/bench-moe.yaml", timeout=120)[0]
     assert experts == m.num_layers * m.num_experts * m.expert_params
     assert experts / (dense + experts) >= 0.90, (dense, experts)
