@@ -78,7 +78,7 @@ def to_target(rows: list[tuple[int, float, float]], target: float, window: int, 
 def chosen(text: str) -> str:
     """What the job ran, from its log: the layout planner's layout and the plan (or "")."""
     lay = re.search(r"\[layout\] running (TP\d+ PP\d+ EP\d+ DP\d+)", text)
-    plan = re.search(r"\[pretrain_moe\] plan: (\S+(?: \S+)?);", text)
+    plan = re.search(r"\[pretrain_moe\] plan: ([^;]+);", text)  # labels have 1-3 words
     return " / ".join(m.group(1) for m in (lay, plan) if m)
 
 

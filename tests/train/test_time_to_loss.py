@@ -58,3 +58,11 @@ def test_the_target_is_the_references_loss_at_a_fraction_of_its_run(ttl):
     assert numbers["systems"]["pp"]["seconds"] == 2.0
     assert numbers["systems"]["slow"]["final_vs_ref_pct"] == pytest.approx((3.5 / 2.0 - 1) * 100)
     assert "| slow | 0.50 | 3 | 1.5 | 1.33x |" in text
+
+
+def test_the_report_names_the_plan_that_ran(ttl):
+    log = ("[layout] running TP1 PP1 EP4 DP4\n"
+           "[pretrain_moe] plan: domains dc2 gpu1; domains [[0, 2], [1, 3]]; rails [[0, 1]]\n")
+    assert ttl.chosen(log) == "TP1 PP1 EP4 DP4 / domains dc2 gpu1"  # three-word labels too
+    assert ttl.chosen("[pretrain_moe] plan: ep (S=1); domains [[0]]") == "ep (S=1)"
+    assert ttl.chosen("Megatron alltoall") == ""
