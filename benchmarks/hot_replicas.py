@@ -276,7 +276,7 @@ def main() -> int:
     if a.worker:
         worker(json.loads(a.worker))
         return 0
-    from megatron_hybridep.bench.control import CONTROL_ENV, ControlServer
+    from megatron_hybridep.bench.control import launch_controlled
     from megatron_hybridep.testbed.network import Testbed, TestbedConfig
     from megatron_hybridep.testbed.selfcheck import measure_throughput
     from megatron_hybridep.testbed.shaping import parse_rate_mbit
@@ -307,16 +307,9 @@ def main() -> int:
             set_shaped(bool(request["shaped"]))
             return {"ok": True}
 
-        control = ControlServer(os.path.join(tmp, "control.sock"))
-        env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", CONTROL_ENV: control.path}
-        try:
-            group = tb.start([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)], env=env,
-                             timeout_s=a.timeout, cwd=REPO)
-            with group:
-                control.serve(group.pids, handle, time.monotonic() + a.timeout)
-                res = group.wait()
-        finally:
-            control.close()
+        res = launch_controlled(tb, [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+                                handle, os.path.join(tmp, "control.sock"), time.monotonic() + a.timeout,
+                                env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, timeout_s=a.timeout, cwd=REPO)
     res.raise_for_status()
     events = [json.loads(line.split(TAG, 1)[1]) for line in res.outputs[0].splitlines() if TAG in line]
     plan = next(e for e in events if e["event"] == "plan")

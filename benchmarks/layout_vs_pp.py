@@ -81,13 +81,18 @@ def run_one(tb, flags: list[str], args: argparse.Namespace, topology: Path) -> d
             "layout": chose.group(1) if chose else None, "plan": plan.group(1) if plan else None}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def testbed_flags(p: argparse.ArgumentParser, rate: float) -> None:
+    """The emulated testbed and the global batch (this script's and time_to_loss.py's)."""
     p.add_argument("--dcs", type=int, default=2)
     p.add_argument("--ranks-per-dc", type=int, default=2)
-    p.add_argument("--rate", type=float, default=20.0, help="Mbit/s per DC uplink")
+    p.add_argument("--rate", type=float, default=rate, help="Mbit/s per DC uplink")
     p.add_argument("--intra-gbps", type=float, default=2.0, help="what the planner assumes for loopback inside a DC")
     p.add_argument("--global-batch", type=int, default=64, help="4 micro-batches of 4 at PP 1 on 2 x 2")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    testbed_flags(p, rate=20.0)
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=2)

@@ -180,7 +180,7 @@ def set_rate(tb: Any, mbit: float) -> None:
 
 def run_once(tb: Any, cfg: DemoConfig, kind: str, plans: dict[str, Any], tmp: str, log_dir: Path) -> dict[str, Any]:
     """One launch of the 4 ranks; returns rank 0's result."""
-    from megatron_hybridep.bench.control import CONTROL_ENV, ControlServer
+    from megatron_hybridep.bench.control import launch_controlled
 
     argv = train_argv(cfg)
     import yaml
@@ -210,17 +210,11 @@ def run_once(tb: Any, cfg: DemoConfig, kind: str, plans: dict[str, Any], tmp: st
         changed["iteration"] = request["iteration"]
         return {"ok": True}
 
-    control = ControlServer(os.path.join(tmp, "control.sock"))
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1", CONTROL_ENV: control.path}
-    try:
-        group = tb.start([sys.executable, str(Path(__file__).resolve()), "--worker", spec], env=env,
-                         timeout_s=cfg.timeout, log_dir=log_dir, cwd=REPO)
-        with group:
-            control.serve(group.pids, handle, time.monotonic() + cfg.timeout)
-            launch = group.wait()
-    finally:
-        control.close()
+           "OMP_NUM_THREADS": "1"}
+    launch = launch_controlled(tb, [sys.executable, str(Path(__file__).resolve()), "--worker", spec], handle,
+                               os.path.join(tmp, "control.sock"), time.monotonic() + cfg.timeout, env=env,
+                               timeout_s=cfg.timeout, log_dir=log_dir, cwd=REPO)
     launch.raise_for_status()
     out = json.loads(Path(result).read_text())
     out["changed_at"] = changed.get("iteration")

@@ -30,6 +30,9 @@ import time  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from plan_time import timed  # noqa: E402 - the planning-time benchmark's warm-up + repeats
 
 from megatron_hybridep.plan.plan import Plan  # noqa: E402
 from megatron_hybridep.plan.planner import choose_plan  # noqa: E402
@@ -40,16 +43,6 @@ from megatron_hybridep.sim.simulate import simulate  # noqa: E402
 from megatron_hybridep.sim.sweep import run_sweep  # noqa: E402
 
 TARGET_ITER_S, TARGET_SWEEP_S = 2.0, 120.0
-
-
-def timed(fn, repeats):
-    out = fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return times, out
 
 
 def main() -> int:

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from layout_vs_pp import MODEL, write_topology  # noqa: E402 - the same model and topology as issue 25's
+from layout_vs_pp import MODEL, testbed_flags, write_topology  # noqa: E402 - the same model and topology as issue 25's
 
 LINE = re.compile(r" iter +(\d+)/\d+ \| loss +([\d.]+|nan) \| step +([\d.]+) ms")
 
@@ -155,11 +155,7 @@ def plot(numbers: dict, path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dcs", type=int, default=2)
-    p.add_argument("--ranks-per-dc", type=int, default=2)
-    p.add_argument("--rate", type=float, default=50.0, help="Mbit/s per DC uplink")
-    p.add_argument("--intra-gbps", type=float, default=2.0, help="what the planner assumes for loopback inside a DC")
-    p.add_argument("--global-batch", type=int, default=64, help="4 micro-batches of 4 at PP 1 on 2 x 2")
+    testbed_flags(p, rate=50.0)
     p.add_argument("--iters", type=int, default=120)
     p.add_argument("--warmup", type=int, default=2, help="iterations whose extra time is not counted")
     p.add_argument("--window", type=int, default=10, help="logged iterations in the loss's moving mean")

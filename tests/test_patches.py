@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import importlib.util
 import json
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.helpers import with_args
 
 REPO = Path(__file__).resolve().parents[1]
 PATCHES = REPO / "patches"
@@ -342,13 +343,6 @@ def record_setup(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple, dict]]:
     calls: list[tuple[tuple, dict]] = []
     monkeypatch.setattr(hep, "setup", lambda *a, **kw: calls.append((a, kw)))
     return calls
-
-
-def with_args(base: argparse.Namespace, **changes: Any) -> argparse.Namespace:
-    a = copy.copy(base)
-    for k, v in changes.items():
-        setattr(a, k, v)
-    return a
 
 
 def test_added_provider_sets_up_the_plan_before_building_the_model(base_args, record_setup):

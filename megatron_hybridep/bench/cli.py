@@ -66,7 +66,7 @@ from megatron_hybridep.bench.config import (
     add_arguments,
     resolve,
 )
-from megatron_hybridep.bench.control import CONTROL_ENV, ControlServer
+from megatron_hybridep.bench.control import launch_controlled
 from megatron_hybridep.bench.session import Progress, Session
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.testbed.network import Testbed, TestbedConfig
@@ -102,19 +102,13 @@ def run_bench(cfg: BenchConfig, log: IO[str] = sys.stdout) -> dict[str, Any]:
 def _launch(cfg: BenchConfig, tb: Testbed, session: Session, env: dict[str, str], tmp: Path, logs: Path,
             repo: Path, progress: Progress, deadline: float) -> None:
     """One set of rank workers, steered by `session` until rank 0 says bye."""
-    control = ControlServer(str(tmp / "control.sock"))
     left = deadline - time.monotonic()
     if left <= 0:
         raise BenchError(f"the run exceeded its --timeout of {cfg.timeout:g} s")
-    try:
-        group = tb.start([sys.executable, "-m", "megatron_hybridep.bench.worker",
-                          "--spec", str(cfg.out / "spec.json")], env={**env, CONTROL_ENV: control.path},
-                         timeout_s=left, stream=progress, log_dir=logs, cwd=repo)
-        with group:
-            control.serve(group.pids, session.handle, deadline)
-            result = group.wait()
-    finally:
-        control.close()
+    result = launch_controlled(tb, [sys.executable, "-m", "megatron_hybridep.bench.worker",
+                                    "--spec", str(cfg.out / "spec.json")], session.handle,
+                               str(tmp / "control.sock"), deadline, env=env, timeout_s=left, stream=progress,
+                               log_dir=logs, cwd=repo)
     try:
         result.raise_for_status()
     except TestbedError as exc:

@@ -8,6 +8,7 @@ the rank processes, so a crashed rank wakes it as surely as a request does.
 
     server = ControlServer(path)                 # parent, before launching the ranks
     server.serve(pids, handler, deadline)        # handler(request) -> reply, until a "bye"
+    result = launch_controlled(tb, cmd, handler, path, deadline, env=env)  # parent: the two around tb.start
     client = ControlClient(path)                 # worker rank 0
     reply = client.request({"phase": "next"})
 """
@@ -125,3 +126,19 @@ class ControlClient:
     def bye(self) -> None:
         self.request({"op": BYE})
         self.sock.close()
+
+
+def launch_controlled(tb: Any, cmd: Sequence[str], handler: Callable[[dict[str, Any]], dict[str, Any]], path: str,
+                      deadline: float, *, env: dict[str, str], **options: Any) -> Any:
+    """Run ``cmd``'s ranks on the testbed ``tb`` (testbed.Testbed; ``options`` as its start's) with a
+    control server at ``path`` (the ranks' environment: ``env`` plus CONTROL_ENV), answering rank 0
+    with ``handler`` until it says bye, a rank ends or ``deadline`` (time.monotonic()) passes.
+    Returns the ranks' LaunchResult (not raised for status)."""
+    server = ControlServer(path)
+    try:
+        group = tb.start(cmd, env={**env, CONTROL_ENV: server.path}, **options)
+        with group:
+            server.serve(group.pids, handler, deadline)
+            return group.wait()
+    finally:
+        server.close()

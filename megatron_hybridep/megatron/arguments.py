@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO
@@ -18,15 +18,22 @@ class PresetError(ValueError):
     """A --config preset that cannot be applied; names the key and the fix."""
 
 
-def _count(text: str) -> int:
-    """argparse type: an integer >= 0 (argparse names the flag in its error)."""
+def _checked(text: str, convert: Callable[[str], Any], kind: str, ok: Callable[[Any], bool], bad: str,
+             fix: str) -> Any:
+    """An argparse type's body: ``convert(text)`` (else "'text' is not <kind>"), then ``ok(value)``
+    (else ``bad``, formatted with text and value); each message ends with the fix (argparse names the flag)."""
     try:
-        value = int(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; fix: an integer >= 0 (0 = off)") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative; fix: an integer >= 0 (0 = off)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not {kind}; fix: {fix}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{bad.format(text=text, value=value)}; fix: {fix}")
     return value
+
+
+def _count(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _checked(text, int, "an integer", lambda v: v >= 0, "{value} is negative", "an integer >= 0 (0 = off)")
 
 
 def _positive(text: str) -> int:
@@ -38,24 +45,14 @@ def _positive(text: str) -> int:
 
 def _seconds(text: str) -> float:
     """argparse type: seconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; fix: seconds >= 0 (0 = off)") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} is not finite and >= 0; fix: seconds >= 0 (0 = off)")
-    return value
+    return _checked(text, float, "a number", lambda v: 0 <= v < float("inf"), "{text} is not finite and >= 0",
+                    "seconds >= 0 (0 = off)")
 
 
 def _cap(text: str) -> float:
     """argparse type: a ratio cap, 0 (none) or >= 1."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; fix: 0 (no cap) or a ratio >= 1") from None
-    if not (value == 0 or 1 <= value < float("inf")):
-        raise argparse.ArgumentTypeError(f"{text} is not 0 or a finite ratio >= 1; fix: 0 (no cap) or a ratio >= 1")
-    return value
+    return _checked(text, float, "a number", lambda v: v == 0 or 1 <= v < float("inf"),
+                    "{text} is not 0 or a finite ratio >= 1", "0 (no cap) or a ratio >= 1")
 
 
 def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

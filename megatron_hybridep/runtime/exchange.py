@@ -96,6 +96,21 @@ class ExpertExchange(ABC):
     def _holds_current(self) -> bool:
         return self.hold and self._copy is not None and self._copy_key == self.version()
 
+    @abstractmethod
+    def _forget_stale(self) -> None:
+        """Wait for the collective in flight and forget it (it carries an older version)."""
+
+    def _version_to_launch(self) -> tuple[int, ...] | None:
+        """The parameters' version when ``start`` must launch a collective for it; None when one for
+        it is in flight or its copies are held. A collective of an older version (a prefetch that
+        outlived a step) is forgotten first, never used."""
+        key = self.version()
+        if self._pending is not None:
+            if self._pending.key == key:
+                return None
+            self._forget_stale()
+        return None if self._holds_current() else key
+
     def _flat(self, detach: bool) -> torch.Tensor:
         return torch.cat([(p.detach() if detach else p).reshape(-1) for p in self.params])
 

@@ -248,14 +248,8 @@ class DomainGather(ExpertExchange):
         copies are held. Parameters must not change until ``borrowed()``: start it after the
         optimizer step or within a forward pass. A gather of older parameters (a prefetch that
         outlived a step) is waited for and dropped, never used."""
-        if self.size == 1:
-            return
-        key = self.version()
-        if self._pending is not None:
-            if self._pending.key == key:
-                return
-            self._forget_gathers()
-        if self._holds_current():
+        key = None if self.size == 1 else self._version_to_launch()
+        if key is None:
             return
         if self._encoded is not None and self._encoded_key != key:
             self._encoded = None
@@ -430,6 +424,9 @@ class DomainGather(ExpertExchange):
         self._pending = self._encoded = None
         self._copy = self._copy_key = None
         self._held = self._copies = None
+
+    def _forget_stale(self) -> None:
+        self._forget_gathers()
 
     def drop(self) -> None:
         """Plan switch: forget gathers and copies. Called between iterations, so nothing is owed."""

@@ -78,12 +78,8 @@ class ReplicaExchange(ExpertExchange):
         """Issue the weight all-to-all now (no-op if in flight). Weights must not change until
         ``exchange``: call after the optimizer step or within the forward pass. An exchange of older
         weights (a prefetch that outlived a step) is waited for and dropped."""
-        key = self.version()
-        if self._pending is not None:
-            if self._pending.key == key:
-                return
-            self.drop()
-        if self._holds_current():
+        key = self._version_to_launch()
+        if key is None:
             return
         flat = self._flat(detach=True).view(self.num_local, self.row)
         send = flat.index_select(0, self.send_rows).reshape(-1)
@@ -156,6 +152,9 @@ class ReplicaExchange(ExpertExchange):
         for q, n in enumerate(splits):
             if n:
                 self.stats.add(self.layer, phase, "ep", n * size, 0.0, level=self.levels[q])
+
+    def _forget_stale(self) -> None:
+        self.drop()
 
     def drop(self) -> None:
         """Forget an in-flight exchange and held weights (plan switch, stale prefetch)."""

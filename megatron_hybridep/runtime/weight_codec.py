@@ -48,6 +48,11 @@ def _itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
+def _from_wire(name: str, doc: str | None = None) -> property:
+    """A PayloadLayout property that reads its WireLayout's ``name``."""
+    return property(lambda self: getattr(self.wire_layout, name), doc=doc)
+
+
 @dataclass(frozen=True)
 class PayloadLayout:
     """Where everything sits in one encoded tensor's payload (plan/wire.py WireLayout with the
@@ -67,10 +72,6 @@ class PayloadLayout:
         return self.scheme is IndexScheme.DENSE
 
     @property
-    def nblocks(self) -> int:
-        return self.wire_layout.nblocks
-
-    @property
     def offset_dtype(self) -> torch.dtype | None:
         return None if self.dense else OFFSET_DTYPES[self.scheme.block_bits]
 
@@ -78,31 +79,14 @@ class PayloadLayout:
     def count_dtype(self) -> torch.dtype | None:
         return None if self.dense else COUNT_DTYPES[self.scheme.block_bits]
 
-    @property
-    def values_at(self) -> int:
-        return self.wire_layout.values_at
-
-    @property
-    def counts_at(self) -> int:
-        return self.wire_layout.counts_at
-
-    @property
-    def offsets_at(self) -> int:
-        return self.wire_layout.offsets_at
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes on the wire for this tensor, index bytes and alignment padding included."""
-        return self.wire_layout.nbytes
-
-    @property
-    def element_ratio(self) -> float:
-        return self.wire_layout.element_ratio
-
-    @property
-    def byte_ratio(self) -> float:
-        """Dense bytes in the value dtype / payload bytes."""
-        return self.wire_layout.byte_ratio
+    # the wire layout's sizes and offsets, read through
+    nblocks = _from_wire("nblocks")
+    values_at = _from_wire("values_at")
+    counts_at = _from_wire("counts_at")
+    offsets_at = _from_wire("offsets_at")
+    nbytes = _from_wire("nbytes", "Bytes on the wire for this tensor, index bytes and alignment padding included.")
+    element_ratio = _from_wire("element_ratio")
+    byte_ratio = _from_wire("byte_ratio", "Dense bytes in the value dtype / payload bytes.")
 
 
 def plan_layout(

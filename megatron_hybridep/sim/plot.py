@@ -29,6 +29,25 @@ def _save(fig: Any, path: str) -> None:
     fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
+def _finish(fig: Any, path: str, title: str) -> None:
+    """Title (if any), layout, written to ``path``, closed."""
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    _save(fig, path)
+    _pyplot().close(fig)
+
+
+def _speedup_axes(ax: Any) -> None:
+    """Speed-up over EP against data centres, log-log, with a dashed line at 1."""
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("data centres")
+    ax.set_ylabel("speed-up over EP")
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def sweep_png(rows: Sequence[dict[str, Any]], path: str, title: str = "",
               claims: dict[str, tuple[float, float]] | None = None) -> None:
     """Speed-up over EP vs DC count, one panel per policy, one line per WAN bandwidth."""
@@ -43,24 +62,15 @@ def sweep_png(rows: Sequence[dict[str, Any]], path: str, title: str = "",
         for bw in sorted(by_bw):
             pts = sorted(by_bw[bw])
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=f"{bw:g} Gbit/s")
-        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         key = pol.split(":")[0]
         if claims and key in claims:
             lo, hi = claims[key]
             xmax = max((int(r["dcs"]) for r in rows), default=1000)
             ax.fill_between([xmax * 0.8, xmax * 1.25], lo, hi, color="red", alpha=0.2, label="paper @1000 DCs")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("data centres")
-        ax.set_ylabel("speed-up over EP")
+        _speedup_axes(ax)
         ax.set_title(pol)
-        ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    _save(fig, path)
-    plt.close(fig)
+    _finish(fig, path, title)
 
 
 def timeline_png(spans: Sequence[Span], path: str, title: str = "", max_spans: int = 400) -> None:
@@ -106,11 +116,7 @@ def agreement_png(points: Sequence[dict[str, float]], path: str, title: str = ""
     b.set_xlabel("p = 1 - S/G")
     b.set_ylabel("simulated / closed form - 1 (%)")
     b.legend(fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    _save(fig, path)
-    plt.close(fig)
+    _finish(fig, path, title)
 
 
 def fig17_png(rows: Sequence[dict[str, Any]], path: str, title: str = "",
@@ -137,16 +143,7 @@ def fig17_png(rows: Sequence[dict[str, Any]], path: str, title: str = "",
                 ax.scatter([p[0] for p in sim], [p[1] for p in sim], marker="x", s=40, color=color, zorder=3)
         if claim:
             ax.axhspan(*claim, color="red", alpha=0.12, label="paper @1000 DCs")
-        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("data centres")
-        ax.set_ylabel("speed-up over EP")
+        _speedup_axes(ax)
         ax.set_title(reading, fontsize=9)
-        ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    _save(fig, path)
-    plt.close(fig)
+    _finish(fig, path, title)

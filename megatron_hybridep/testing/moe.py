@@ -7,6 +7,7 @@ changed Megatron's numerics would show up as a mismatch.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -151,3 +152,27 @@ def reference_moe(x: torch.Tensor, w: GlobalWeights, topk: int, aux_loss_coeff: 
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
         aux = (scores.sum(0) * counts).sum() * num_experts * aux_loss_coeff / (topk * t * t)
     return out.reshape(shape), aux
+
+
+def reference_grads(spec: MoESpec, world: int, rank: int, *, cast: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    routes: Sequence[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Every rank's tokens through :func:`reference_moe` in one process, with the upstream gradient
+    ``rank_input(spec, r, step=99)``: rank ``rank``'s output and input and router gradients ("out",
+    "dx", "router") and every expert's ("fc1", "fc2"). ``cast``: applied to the weights, inputs and
+    upstream gradients first (e.g. the bf16 rounding a GPU layer sees); ``routes``: per rank, the
+    experts to route to (``top_idx``; default: the reference's own choice)."""
+    as_seen = cast if cast is not None else (lambda t: t)
+    w = global_weights(spec)
+    w.router, w.fc1, w.fc2 = (as_seen(t).requires_grad_(True) for t in (w.router, w.fc1, w.fc2))
+    mine: dict[str, torch.Tensor] = {}
+    for r in range(world):
+        x = as_seen(rank_input(spec, r)).requires_grad_(True)
+        out, aux = reference_moe(x, w, spec.topk, spec.aux_loss_coeff, spec.use_pre_softmax,
+                                 top_idx=None if routes is None else routes[r])
+        dy = as_seen(rank_input(spec, r, step=99))
+        before = w.router.grad.clone() if w.router.grad is not None else 0
+        (out * dy).sum().add(aux).backward()
+        if r == rank:
+            mine = {"out": out.detach(), "dx": x.grad, "router": w.router.grad - before}
+    mine["fc1"], mine["fc2"] = w.fc1.grad, w.fc2.grad
+    return mine

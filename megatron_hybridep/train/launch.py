@@ -11,6 +11,7 @@ job when a rank's progress has not moved for the stall timeout.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -33,7 +34,6 @@ from megatron_hybridep.runtime.logs import quiet_known_warnings
 PRELOAD = ["megatron_hybridep.runtime.logs", "torch", "torch.distributed", "megatron.core.transformer.moe.moe_layer",
            "megatron.core.models.gpt.gpt_model", "megatron.core.distributed", "megatron.core.optimizer"]
 
-_CTX: mp.context.ForkServerContext | None = None
 _SLOTS = 4  # per rank: progress beats, iteration, median step seconds, predicted step seconds
 _PHASE = 32  # bytes of phase text per rank
 
@@ -115,14 +115,18 @@ class RankContext:
     env: dict[str, str] = field(default_factory=dict)
 
 
+@functools.cache
+def _forkserver() -> mp.context.ForkServerContext:
+    """The fork server's context, its preload set once per process."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def _context(start_method: str = "forkserver") -> mp.context.BaseContext:
-    global _CTX
     if start_method == "spawn":  # CUDA ranks: a forked child cannot use CUDA once its parent has
         return mp.get_context("spawn")
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(PRELOAD)
-    return _CTX
+    return _forkserver()
 
 
 def _rank_main(fn: Callable, rank: int, world_size: int, port: int, timeout: float, threads: int,

@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_hybridep.testing.moe import MoESpec, global_weights, rank_input, reference_moe
+from megatron_hybridep.testing.moe import MoESpec, rank_input, reference_grads
 from megatron_hybridep.train.launch import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -33,25 +33,6 @@ def _te_available() -> bool:
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).double()
-
-
-def _reference(spec: MoESpec, world: int, rank: int, routes: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """float64 reference of every rank's tokens, with the bf16-rounded weights and inputs the
-    GPU layers see and the experts the oracle chose (``routes``, per rank): this rank's
-    output/input/router gradients and every expert's gradient."""
-    w = global_weights(spec)
-    w.router, w.fc1, w.fc2 = (_bf16(t).requires_grad_(True) for t in (w.router, w.fc1, w.fc2))
-    mine: dict[str, torch.Tensor] = {}
-    for r in range(world):
-        x = _bf16(rank_input(spec, r)).requires_grad_(True)
-        out, aux = reference_moe(x, w, spec.topk, spec.aux_loss_coeff, spec.use_pre_softmax, top_idx=routes[r])
-        dy = _bf16(rank_input(spec, r, step=99))
-        before = w.router.grad.clone() if w.router.grad is not None else 0
-        (out * dy).sum().add(aux).backward()
-        if r == rank:
-            mine = {"out": out.detach(), "dx": x.grad, "router": w.router.grad - before}
-    mine["fc1"], mine["fc2"] = w.fc1.grad, w.fc2.grad
-    return mine
 
 
 def _run(layer, spec: MoESpec, rank: int, fused: bool) -> dict[str, torch.Tensor]:
@@ -130,7 +111,7 @@ def test_hybridep_grouped_bf16_equals_alltoall_on_one_gpu(world, fused):
     routes = [oracle[1] for _, oracle, _ in out]
     for rank, (experts_type, (oracle, route), results) in enumerate(out):
         assert experts_type == ("TEGroupedMLP" if use_te else "SequentialMLP")
-        ref = _reference(SPEC, world, rank, routes)
+        ref = reference_grads(SPEC, world, rank, cast=_bf16, routes=routes)
         ref.update({f"{n}.{i}": ref[n][rank * n_local + i] for n in ("fc1", "fc2") for i in range(n_local)})
         oracle_err = {k: (v - ref[k]).abs().max().item() for k, v in oracle.items()}
         scale = {k: ref[k].abs().max().item() for k in oracle}

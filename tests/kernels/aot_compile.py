@@ -3,6 +3,8 @@ backend + bundled ptxas): catches lowering errors the interpreter cannot see. Ru
 test_codec_kernels.py in a subprocess with TRITON_INTERPRET=0. Prints SKIP if no CUDA backend."""
 
 import sys
+from collections.abc import Iterable
+from typing import Any
 
 import triton
 from triton.compiler import ASTSource
@@ -40,9 +42,11 @@ def variants():
             "CHUNK": K.ENTRY_CHUNK}
 
 
-def main():
+def compile_all(variants: Iterable[tuple[str, Any, dict, dict]]) -> int:
+    """Compile every (name, kernel, signature, constexprs) for TARGET; print a line each, then ALL OK or
+    FAILED. Returns the exit status (aot_compile_fused.py uses it for the fused kernels)."""
     failed = 0
-    for name, fn, sig, consts in variants():
+    for name, fn, sig, consts in variants:
         sig = {**sig, **{c: "constexpr" for c in consts}}
         try:
             c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET)
@@ -53,6 +57,5 @@ def main():
     print("FAILED" if failed else "ALL OK")
     return 1 if failed else 0
 
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(compile_all(variants()))

@@ -1,21 +1,12 @@
 """Compile the fused codec kernels (kernels/_fused_triton.py) for sm_90 without a GPU, as
-aot_compile.py does for the codec kernels: catches lowering errors the interpreter cannot see.
-Run by test_fused_codec.py in a subprocess with TRITON_INTERPRET=0. Prints SKIP if no CUDA backend."""
+aot_compile.py does for the codec kernels (and with its compile_all): catches lowering errors the
+interpreter cannot see. Run by test_fused_codec.py in a subprocess with TRITON_INTERPRET=0. Prints
+SKIP if no CUDA backend."""
 
 import sys
 
-import triton
-from triton.compiler import ASTSource
-
-try:
-    from triton.backends.compiler import GPUTarget
-except ImportError:  # pragma: no cover
-    print("SKIP no GPUTarget")
-    sys.exit(0)
-
-from megatron_hybridep.kernels import _fused_triton as K  # noqa: E402
-
-TARGET = GPUTarget("cuda", 90, 32)
+from megatron_hybridep.kernels import _fused_triton as K
+from tests.kernels.aot_compile import compile_all  # prints SKIP and exits where there is no CUDA backend
 
 
 def variants():
@@ -35,19 +26,5 @@ def variants():
             "BLOCK": K.TILE, "CHUNK": K.ENTRY_CHUNK}
 
 
-def main():
-    failed = 0
-    for name, fn, sig, consts in variants():
-        sig = {**sig, **{c: "constexpr" for c in consts}}
-        try:
-            c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET)
-            print(f"{name}: ok ({'cubin' if 'cubin' in c.asm else 'ptx only'})")
-        except Exception as e:  # report every variant, then fail
-            failed += 1
-            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:2000]}")
-    print("FAILED" if failed else "ALL OK")
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(compile_all(variants()))

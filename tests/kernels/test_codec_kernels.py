@@ -1,37 +1,20 @@
 """Codec kernels: dispatcher, argument checks, torch reference semantics, and the Triton
 kernels against the torch reference under TRITON_INTERPRET=1 (in a subprocess)."""
 
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from megatron_hybridep.kernels import codec as C
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from .helpers import check_compiles_for_sm90, check_under_interpreter
 
 
 def test_triton_kernels_match_torch_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, str(REPO / "tests/kernels/interp_cases.py")], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
-    print(proc.stdout)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "ALL OK" in proc.stdout and "MISMATCH" not in proc.stdout
+    check_under_interpreter("interp_cases.py")
 
 
 def test_triton_kernels_compile_for_sm90_without_a_gpu():
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, str(REPO / "tests/kernels/aot_compile.py")], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
-    print(proc.stdout)
-    if proc.stdout.startswith("SKIP"):
-        pytest.skip(proc.stdout.strip())
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "ALL OK" in proc.stdout
+    check_compiles_for_sm90("aot_compile.py")
 
 
 def test_dispatcher_uses_torch_on_cpu_without_interpreter(monkeypatch):

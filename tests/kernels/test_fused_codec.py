@@ -1,38 +1,21 @@
 """Fused codec (kernels/fused_codec.py): the torch reference is AdamW and the unfused decode; the
 Triton kernels match it under TRITON_INTERPRET=1 (subprocess, small sizes)."""
 
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from megatron_hybridep.kernels import fused_codec as F
 from megatron_hybridep.runtime.compression import SharedResidualCodec
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from .helpers import check_compiles_for_sm90, check_under_interpreter
 
 
 def test_fused_triton_kernels_match_torch_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, str(REPO / "tests/kernels/interp_fused_cases.py")], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
-    print(proc.stdout)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "ALL OK" in proc.stdout and "MISMATCH" not in proc.stdout
+    check_under_interpreter("interp_fused_cases.py", timeout=600)
 
 
 def test_fused_triton_kernels_compile_for_sm90_without_a_gpu():
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, str(REPO / "tests/kernels/aot_compile_fused.py")], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
-    print(proc.stdout)
-    if proc.stdout.startswith("SKIP"):
-        pytest.skip(proc.stdout.strip())
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "ALL OK" in proc.stdout
+    check_compiles_for_sm90("aot_compile_fused.py")
 
 
 def test_reference_update_is_torch_adamw():

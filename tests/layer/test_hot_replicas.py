@@ -3,16 +3,15 @@ skewed routing, MoE layer level: outputs, input/router/every expert gradient at 
 parameters after them (float64, to FP64_TOL relative above magnitude 1), and per-expert routing
 counts (every token counted). Bad replica specs fail before any collective."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
 
-from megatron_hybridep.plan.plan import Plan, PlanError
+from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.testing.exactness import FP64_TOL, scaled_error
 from megatron_hybridep.testing.moe import MoESpec
 from megatron_hybridep.train.launch import run_ranks
+from tests.layer.helpers import compare_with_oracle, setup_and_capture
 
 TOL = FP64_TOL
 STEPS = 4
@@ -21,9 +20,6 @@ STEPS = 4
 SKEW = {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
         "moe_router_bias_update_rate": 0.0}
 BIAS = [0.6, 0.3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-
-
-_err = scaled_error
 
 
 def _build(spec, rank, world):
@@ -35,43 +31,18 @@ def _build(spec, rank, world):
     return layer
 
 
+def _summary(plan, spec, runtime, oracle_stats, errors):
+    return dict(plan=plan.label, topk=spec.topk, errors=errors,
+                counts=np.asarray(sum(runtime.stats.tokens_per_expert.values())),
+                ref_counts=np.asarray(sum(oracle_stats.tokens_per_expert.values())),
+                token_bytes=runtime.stats.bytes_by(group="rail"),
+                oracle_bytes=oracle_stats.bytes_by(group="rail"),
+                replica_bytes=runtime.stats.bytes_by(phase="replica_weights"),
+                grad_bytes=runtime.stats.bytes_by(phase="replica_grad_return"))
+
+
 def _compare(ctx, plans, specs, steps):
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megatron_hybridep.megatron import cpu_runtime, register, setup, teardown
-    from megatron_hybridep.megatron.dispatcher import instrument
-    from megatron_hybridep.runtime.instrument import Stats
-    from tests.layer.test_hybridep_layer import _steps
-
-    cpu_runtime.enable()
-    register()
-    ps.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
-    model_parallel_cuda_manual_seed(7)
-    report = []
-    for spec in specs:
-        oracle = _build(spec, ctx.rank, ctx.world_size)
-        oracle_stats = Stats()
-        instrument(oracle.token_dispatcher, oracle_stats, 0)
-        ref_trace, ref_params = _steps(oracle, spec, ctx.rank, ctx.world_size, steps)
-        ref_counts = sum(oracle_stats.tokens_per_expert.values())
-        for plan in plans:
-            runtime = setup([plan])
-            layer = _build(dataclasses.replace(spec, dispatcher="hybridep"), ctx.rank, ctx.world_size)
-            trace, params = _steps(layer, spec, ctx.rank, ctx.world_size, steps)
-            errors = {f"step{s}.{k}": _err(a[k], b[k])
-                      for s, (a, b) in enumerate(zip(trace, ref_trace, strict=True)) for k in a}
-            errors.update({f"param.{k}": _err(params[k], ref_params[k]) for k in params})
-            report.append(dict(plan=plan.label, topk=spec.topk, errors=errors,
-                               counts=np.asarray(sum(runtime.stats.tokens_per_expert.values())),
-                               ref_counts=np.asarray(ref_counts),
-                               token_bytes=runtime.stats.bytes_by(group="rail"),
-                               oracle_bytes=oracle_stats.bytes_by(group="rail"),
-                               replica_bytes=runtime.stats.bytes_by(phase="replica_weights"),
-                               grad_bytes=runtime.stats.bytes_by(phase="replica_grad_return")))
-            teardown()
-    ps.destroy_model_parallel()
-    return report
+    return compare_with_oracle(ctx, plans, specs, steps, _build, _summary)
 
 
 def _plans(world):
@@ -107,22 +78,8 @@ def test_hot_replicas_match_alltoall(world):
 
 
 def _setup_and_capture(ctx, plan_dict):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from megatron_hybridep.megatron import cpu_runtime, setup
-
-    cpu_runtime.enable()
-    ps.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
-    calls = []
-    for name in ("new_group", "all_gather_object", "all_to_all_single", "broadcast", "barrier"):
-        original = getattr(dist, name)
-        setattr(dist, name, lambda *a, _n=name, _o=original, **k: (calls.append(_n), _o(*a, **k))[1])
-    try:
-        setup([Plan.from_dict(plan_dict, source="plan.json")], num_experts=8)
-    except PlanError as exc:
-        return str(exc), calls
-    return None, calls
+    return setup_and_capture(ctx, lambda: Plan.from_dict(plan_dict, source="plan.json"), 8,
+                             ("new_group", "all_gather_object", "all_to_all_single", "broadcast", "barrier"))
 
 
 @pytest.mark.parametrize("pairs,budget,words", [
@@ -182,7 +139,7 @@ def test_gpt_moe_with_hot_replicas_equals_alltoall():
     assert results[0]["replica_bytes"] > 0
     for rank, out in enumerate(results):
         (ref_losses, ref_params), (losses, params) = out["alltoall"], out["hybridep"]
-        assert _err(torch.tensor(losses), torch.tensor(ref_losses)) <= TOL, (losses, ref_losses)
+        assert scaled_error(torch.tensor(losses), torch.tensor(ref_losses)) <= TOL, (losses, ref_losses)
         for name, p in params.items():
-            err = _err(p, ref_params[name])
+            err = scaled_error(p, ref_params[name])
             assert p.dtype == torch.float64 and err <= TOL, f"rank {rank}: {name} differs by {err}"

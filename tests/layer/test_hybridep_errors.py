@@ -5,25 +5,12 @@ import pytest
 
 from megatron_hybridep.plan.plan import Plan, PlanError
 from megatron_hybridep.train.launch import run_ranks
+from tests.layer.helpers import setup_and_capture
 
 
 def _setup_and_capture(ctx, plan_args, num_experts):
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from megatron_hybridep.megatron import cpu_runtime, setup
-
-    cpu_runtime.enable()
-    ps.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
-    calls = []
-    for name in ("new_group", "all_gather_object", "all_gather_into_tensor", "all_to_all_single", "barrier"):
-        original = getattr(dist, name)
-        setattr(dist, name, lambda *a, _n=name, _o=original, **k: (calls.append(_n), _o(*a, **k))[1])
-    try:
-        setup([Plan.grid(*plan_args)], num_experts=num_experts)
-    except PlanError as exc:
-        return str(exc), calls
-    return None, calls
+    return setup_and_capture(ctx, lambda: Plan.grid(*plan_args), num_experts, (
+        "new_group", "all_gather_object", "all_gather_into_tensor", "all_to_all_single", "barrier"))
 
 
 @pytest.mark.parametrize("plan_args,num_experts,words", [

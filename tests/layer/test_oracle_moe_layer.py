@@ -6,30 +6,11 @@ import pytest
 import torch
 
 from megatron_hybridep.testing.exactness import FP64_TOL, scaled_error
-from megatron_hybridep.testing.moe import MoESpec, global_weights, rank_input, reference_moe
+from megatron_hybridep.testing.moe import MoESpec, rank_input, reference_grads
 from megatron_hybridep.train.launch import run_ranks
 
 TOL = FP64_TOL
 CASES = [MoESpec(topk=k, aux_loss_coeff=aux, dtype=torch.float64) for k in (1, 2) for aux in (0.0, 1e-2)]
-
-
-def _reference_grads(spec: MoESpec, world: int, rank: int) -> dict[str, torch.Tensor]:
-    """Every rank's tokens through the pure-torch reference, in one process."""
-    w = global_weights(spec)
-    for t in (w.router, w.fc1, w.fc2):
-        t.requires_grad_(True)
-    mine = {}
-    for r in range(world):
-        x = rank_input(spec, r).requires_grad_(True)
-        out, aux = reference_moe(x, w, spec.topk, spec.aux_loss_coeff, spec.use_pre_softmax)
-        dy = rank_input(spec, r, step=99)
-        if r == rank:
-            router_before = w.router.grad.clone() if w.router.grad is not None else 0
-        (out * dy).sum().add(aux).backward()
-        if r == rank:
-            mine = {"out": out.detach(), "dx": x.grad, "router": w.router.grad - router_before}
-    mine["fc1"], mine["fc2"] = w.fc1.grad, w.fc2.grad
-    return mine
 
 
 def _ep_case(ctx, cases):
@@ -48,7 +29,7 @@ def _ep_case(ctx, cases):
         x = rank_input(spec, ctx.rank).requires_grad_(True)
         out, _ = layer(x)
         out.backward(rank_input(spec, ctx.rank, step=99))
-        ref = _reference_grads(spec, ctx.world_size, ctx.rank)
+        ref = reference_grads(spec, ctx.world_size, ctx.rank)
         n_local = spec.experts // ctx.world_size
         err = {
             "out": scaled_error(out, ref["out"]),
@@ -78,6 +59,6 @@ def test_reference_sees_aux_loss():
     """Guard against a vacuous oracle: the aux loss must change the router gradient."""
     spec = MoESpec(topk=2)
     g = [
-        _reference_grads(MoESpec(topk=2, aux_loss_coeff=c), 1, 0)["router"] for c in (0.0, 1.0)
+        reference_grads(MoESpec(topk=2, aux_loss_coeff=c), 1, 0)["router"] for c in (0.0, 1.0)
     ]
     assert (g[0] - g[1]).abs().max() > 1e-3, spec

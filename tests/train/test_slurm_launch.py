@@ -8,20 +8,19 @@ configs/slurm/dc_map.example.yaml) with 8 tasks (GPUs) per node: 32 ranks, level
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import re
 import shlex
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from megatron_hybridep.megatron.arguments import parse
 from megatron_hybridep.plan.plan import PlanError
 from megatron_hybridep.train.planning import choose, topology_for
+from tests.helpers import with_args
 
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "scripts" / "slurm" / "pretrain_moe.sbatch"
@@ -58,13 +57,6 @@ def allocation(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
 def slurm_args() -> argparse.Namespace:
     # parse() does not read SLURM_*: the allocation is read when the topology is derived.
     return parse([*MODEL, "--hybridep-topology", "slurm", "--hybridep-dc-map", str(DC_MAP)])
-
-
-def with_args(base: argparse.Namespace, **changes: Any) -> argparse.Namespace:
-    a = copy.copy(base)
-    for k, v in changes.items():
-        setattr(a, k, v)
-    return a
 
 
 def test_topology_from_the_allocation(allocation, slurm_args):
