@@ -10,7 +10,6 @@ Checked against megatron-core 0.19.2 (SequentialMLP.forward(tokens, tokens_per_e
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch.func import functional_call
 
@@ -30,8 +29,8 @@ def replica_experts(experts: torch.nn.Module, exchange: ReplicaExchange, hidden:
     x = hidden.reshape(-1, hidden.shape[-1])
     local_map = routing_map[:, cols]
     if stats is not None:  # the dispatcher counts the rest: per-expert counts still cover every token
-        counts = np.zeros(routing_map.shape[1])
-        counts[cols.cpu().numpy()] = local_map.sum(dim=0).cpu().numpy()
+        counts = routing_map.new_zeros(routing_map.shape[1], dtype=torch.long)
+        counts[cols] = local_map.sum(dim=0)  # on the routing map's device: no sync per layer call
         stats.add_routing(layer, counts)
     masked = routing_map.clone()
     masked[:, cols] = False

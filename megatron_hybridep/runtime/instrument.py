@@ -9,6 +9,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +28,9 @@ class Stats:
     being the coarsest topology level the bytes cross ('dc' = inter-DC links)."""
 
     records: dict[tuple[int, str, str, str], Record] = field(default_factory=lambda: defaultdict(Record))
-    tokens_per_expert: dict[int, np.ndarray] = field(default_factory=dict)
+    # per layer: tokens routed to each expert, summed where they were counted (a GPU tensor stays
+    # on the GPU: copying it per layer call would stall the launch queue); read tokens_per_expert
+    routing: dict[int, Any] = field(default_factory=dict)
     borrowed_bytes: dict[int, int] = field(default_factory=dict)  # per layer: peers' expert copies held
 
     def add_borrowed(self, layer: int, nbytes: int) -> None:
@@ -57,9 +60,15 @@ class Stats:
             if level:
                 self.add(layer, phase, group, nbytes, 0.0, level=level)
 
-    def add_routing(self, layer: int, counts: np.ndarray) -> None:
-        prev = self.tokens_per_expert.get(layer)
-        self.tokens_per_expert[layer] = counts if prev is None else prev + counts
+    def add_routing(self, layer: int, counts: Any) -> None:  # noqa: ANN401 - ndarray or tensor, any device
+        prev = self.routing.get(layer)
+        self.routing[layer] = counts if prev is None else prev + counts
+
+    @property
+    def tokens_per_expert(self) -> dict[int, np.ndarray]:
+        """Per layer: tokens routed to each expert since the last reset, on the host (one copy per
+        layer when read: the scheduler reads once per decision interval)."""
+        return {k: np.asarray(v.cpu() if hasattr(v, "cpu") else v) for k, v in self.routing.items()}
 
     def _select(self, phase: str | None, group: str | None, level: str | None) -> list[Record]:
         return [r for (_, p, g, lv), r in self.records.items()
@@ -82,4 +91,4 @@ class Stats:
 
     def reset(self) -> None:
         self.records.clear()
-        self.tokens_per_expert.clear()
+        self.routing.clear()

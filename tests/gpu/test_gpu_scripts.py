@@ -57,3 +57,21 @@ def test_codec_benchmark_runs_its_logic_on_cpu(capsys):
     assert codec.main(["--device", "cpu", "--sizes", "5000", "--ratios", "10", "--repeats", "1", "--rows", "2"]) == 0
     out = capsys.readouterr().out
     assert "$ python benchmarks/gpu_codec.py --device cpu" in out and "  5000 " in out
+
+
+def test_layer_overhead_benchmark_runs_on_cpu(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "layer.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_layer_overhead.py"), "--device", "cpu", "--dtype", "fp32",
+           "--hidden", "16", "--ffn", "32", "--experts", "4", "--seq", "8", "--batch", "2", "--iters", "6",
+           "--warmup", "1", "--port", "29541", "--out"]
+    run = subprocess.run([*cmd, str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert "median of paired ratios" in run.stdout
+    assert [len(r["times_ms"][s]) for s in ("alltoall", "hybridep")] == [6, 6] and r["ratio"] > 0
+    lo, hi = r["ratio_ci95"]
+    assert lo <= r["ratio"] <= hi

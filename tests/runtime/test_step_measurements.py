@@ -1,7 +1,8 @@
 """What one training step records for the scheduler (issue 18): every MoE layer under its own key
 (Megatron sets layer_number only after the layer is built: both layers were keyed 0 and the
 scheduler saw twice the tokens), the backward token all-to-alls timed with the bytes they send,
-and the log's collectives run before the next iteration's first expert gather starts."""
+the routing counts kept on the routing map's device until read, and the log's collectives run
+before the next iteration's first expert gather starts."""
 
 from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.testing.loop import TINY, train
@@ -21,6 +22,8 @@ def _step_stats(ctx, argv):
         rt = process_context().runtime
         seen.append({"records": {k: (r.bytes, r.seconds, r.calls) for k, r in rt.stats.records.items()},
                      "routing": {k: v.tolist() for k, v in rt.stats.tokens_per_expert.items()},
+                     # counts stay tensors where the routing map lives (on a GPU: no sync per layer call)
+                     "kept_as": {type(v).__name__ for v in rt.stats.routing.values()},
                      "gathering": any(getattr(g.gather, "_pending", None) is not None
                                       for layer in rt.layers for g in layer._plan_state if g.gather)})
         return reduce(self, loss)
@@ -41,6 +44,7 @@ def test_each_moe_layer_keyed_apart_and_backward_all_to_alls_timed():
         for i, step in enumerate(seen):
             assert sorted(step["routing"]) == list(range(1, layers + 1)), step["routing"].keys()
             assert all(sum(counts) == tokens for counts in step["routing"].values())
+            assert step["kept_as"] == {"Tensor"}, step["kept_as"]
             for (layer, phase, _, level), (nbytes, secs, calls) in step["records"].items():
                 if phase not in kind:
                     continue
