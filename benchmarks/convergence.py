@@ -49,12 +49,13 @@ def upcycle(model, seed: int, noise: float) -> None:
                         q.copy_(base + noise * q)
 
 
-_RATIOS = re.compile(r"^(?:w(?P<w>\d+(?:\.\d+)?))?(?:g(?P<g>\d+(?:\.\d+)?))?(?P<cold>-cold)?$")
+_RATIOS = re.compile(r"^(?:w(?P<w>\d+(?:\.\d+)?))?(?:g(?P<g>\d+(?:\.\d+)?))?(?:-wu(?P<wu>\d+))?(?P<cold>-cold)?$")
 
 
 def system_config(system: str, refresh: int = 10):  # noqa: ANN201 - MigrationConfig, or None for a named system
     """'w10' = weights at 10x (shared + residual), 'g50' = returned gradients at 50x (top-k + error
-    feedback), 'w50g50' = both; a '-cold' suffix: the first copies from the shared expert instead of
+    feedback), 'w50g50' = both; '-wu100': the gradients start exact and reach their ratio after 100
+    steps; a '-cold' suffix: the first copies from the shared expert instead of
     one exact gather (the codec before exact_first_gather); None for the named systems (alltoall,
     exact, shared, topk, ...)."""
     from megatron_hybridep.runtime.migration import MigrationConfig
@@ -62,7 +63,8 @@ def system_config(system: str, refresh: int = 10):  # noqa: ANN201 - MigrationCo
     m = _RATIOS.match(system)
     if not system or m is None or not (m["w"] or m["g"]):
         return None
-    return MigrationConfig(float(m["w"] or 1), float(m["g"] or 1), True, refresh, exact_first_gather=not m["cold"])
+    return MigrationConfig(float(m["w"] or 1), float(m["g"] or 1), True, refresh, exact_first_gather=not m["cold"],
+                           grad_warmup_steps=int(m["wu"] or 0))
 
 
 def train(ctx, system: str, steps: int, ratio: float, grad_ratio: float, refresh: int, seed: int,

@@ -80,6 +80,9 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="cap on --hybridep-grad-compression-ratio (0 = none): at 50x the returned gradients cost "
                         "about 2%% in loss at equal steps over 8 seeds, 10x held within 1%% (docs/compression.md); "
                         "raise it to accept that cost")
+    g.add_argument("--hybridep-grad-compression-warmup", type=_count, default=0, metavar="STEPS",
+                   help="returned gradients start exact and reach --hybridep-grad-compression-ratio after STEPS "
+                        "optimizer steps, the ratio growing geometrically (Deep Gradient Compression's warm-up)")
     g.add_argument("--hybridep-shared-refresh-interval", type=int, default=10,
                    help="optimizer steps between refreshes of the shared expert used by compression (0 = never)")
     g.add_argument("--hybridep-no-shared-expert", action="store_true",

@@ -68,6 +68,8 @@ class MigrationConfig:
     hold_copies: bool = True             # one gather per optimizer step, gradients returned once per iteration
     async_return: bool = False           # that return launched in the last backward, collected before the reduction
     check_finite: bool = False           # --check-for-nan-in-loss-and-grad: name a non-finite borrowed expert
+    grad_warmup_steps: int = 0           # returned gradients ramp from exact to grad_compression_ratio over
+    #   this many optimizer steps, geometrically (Deep Gradient Compression's density warm-up)
 
     def __post_init__(self) -> None:
         for name in ("compression_ratio", "grad_compression_ratio"):
@@ -75,6 +77,15 @@ class MigrationConfig:
                 raise ValueError(f"MigrationConfig.{name} must be >= 1 (1 = exact); got {getattr(self, name)}")
         if self.shared_refresh_every < 0:
             raise ValueError("MigrationConfig.shared_refresh_every must be >= 0 (0 = never refresh)")
+        if self.grad_warmup_steps < 0:
+            raise ValueError("MigrationConfig.grad_warmup_steps must be >= 0 (0 = no warm-up)")
+
+    def grad_ratio_at(self, step: int) -> float:
+        """The returned gradients' ratio in optimizer step ``step`` (0-based): exact at 0, then
+        ``grad_compression_ratio ** (step / grad_warmup_steps)`` until the warm-up ends."""
+        if step >= self.grad_warmup_steps:
+            return self.grad_compression_ratio
+        return self.grad_compression_ratio ** (step / self.grad_warmup_steps)
 
     @property
     def compresses_weights(self) -> bool:
@@ -380,6 +391,7 @@ class DomainGather(ExpertExchange):
                 pass
         else:
             chunks = grad.view(self.size, -1)
+            self.grad_codec.ratio = self.config.grad_ratio_at(self._step)  # from the step: resumes exactly
             nbytes = self.grad_codec.nbytes(self.numel, grad.dtype)
             send = torch.zeros(self.size, nbytes, dtype=torch.uint8, device=grad.device)
             for q in range(self.size):

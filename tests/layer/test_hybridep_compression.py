@@ -80,18 +80,72 @@ def test_borrowed_copies_are_the_codec_reconstruction(use_shared):
         assert r["wire"] == r["expected_wire"] > 0
 
 
+def _compressed_cases(ctx, cases):
+    return [_compressed(ctx, *case) for case in cases]  # one rank start for several layers
+
+
 def test_compressed_gradient_return_loses_nothing_over_steps():
     steps = 12
-    exact = run_ranks(_compressed, 2, 8.0, 1.0, True, steps, timeout=240)
-    lossy = run_ranks(_compressed, 2, 8.0, 16.0, True, steps, timeout=240)
-    one = run_ranks(_compressed, 2, 8.0, 16.0, True, 1, timeout=240)
-    exact1 = run_ranks(_compressed, 2, 8.0, 1.0, True, 1, timeout=240)
-    for r in range(2):
-        ref, got = exact[r]["grad_sum"], lossy[r]["grad_sum"]
+    cases = [(8.0, 1.0, True, steps), (8.0, 16.0, True, steps), (8.0, 16.0, True, 1), (8.0, 1.0, True, 1)]
+    for exact, lossy, one, exact1 in run_ranks(_compressed_cases, 2, cases, timeout=240):
+        ref, got = exact["grad_sum"], lossy["grad_sum"]
         rel_many = ((got - ref).norm() / ref.norm()).item()
-        rel_one = ((one[r]["grad_sum"] - exact1[r]["grad_sum"]).norm() / exact1[r]["grad_sum"].norm()).item()
+        rel_one = ((one["grad_sum"] - exact1["grad_sum"]).norm() / exact1["grad_sum"].norm()).item()
         assert rel_one > 0.01, "gradient return was not compressed"
         assert rel_many < rel_one / 2, (rel_many, rel_one)  # the dropped part arrives later
+
+
+def _warmup_returns(ctx, cases):
+    """For each (ratio, warm-up steps, steps): one backward at each optimizer step in steps
+    (residual cleared between), gradients returned at ratio with that warm-up -> {step: (bytes
+    sent, owner's gradient)}."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_hybridep.megatron import cpu_runtime, register, setup, teardown
+    from megatron_hybridep.plan.plan import Plan
+    from megatron_hybridep.runtime.migration import MigrationConfig
+    from megatron_hybridep.testing.moe import build_moe_layer
+
+    cpu_runtime.enable()
+    register()
+    ps.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
+    results = []
+    for ratio, warmup, steps_at in cases:
+        model_parallel_cuda_manual_seed(7)
+        runtime = setup([Plan.grid((ctx.world_size,), (ctx.world_size,), SPEC.experts)],
+                        migration=MigrationConfig(4.0, ratio, shared_refresh_every=0, incremental=False,
+                                                  grad_warmup_steps=warmup))
+        layer = build_moe_layer(dataclasses.replace(SPEC, dispatcher="hybridep"), ctx.rank, ctx.world_size)
+        gather = layer._plan_state[0].gather
+        out_of = {}
+        for step in steps_at:
+            layer.on_step(step)  # what the runtime does after each optimizer step (and on resume)
+            if gather.grad_codec is not None:
+                gather.grad_codec.reset()
+            layer.zero_grad(set_to_none=True)
+            runtime.stats.reset()
+            out, _ = layer(rank_input(SPEC, ctx.rank))
+            out.backward(rank_input(SPEC, ctx.rank, 99))
+            out_of[step] = (runtime.stats.bytes_by(phase=Phase.GRAD_RETURN),
+                            torch.cat([p.grad.reshape(-1) for p in layer.experts.parameters()]))
+        teardown()
+        results.append(out_of)
+    ps.destroy_model_parallel()
+    return results
+
+
+def test_gradient_warmup_starts_exact_and_reaches_the_ratio():
+    """--hybridep-grad-compression-warmup 4 at 16x: step 0 returns the dense gradient, step 2 the
+    ratio 16 ** (2/4) = 4x, step 4 on the full 16x, each the same as a run without warm-up at
+    that ratio; the ratio comes from the step alone, so a resumed run picks it up."""
+    fixed = (1.0, 4.0, 16.0)
+    out = run_ranks(_warmup_returns, 2, [(16.0, 4, (0, 2, 4))] + [(r, 0, (0,)) for r in fixed], timeout=240)
+    for rank, (warm, *refs) in enumerate(out):
+        for step, ref in zip((0, 2, 4), refs, strict=True):
+            (nbytes, grad), (ref_bytes, ref_grad) = warm[step], ref[0]
+            assert nbytes == ref_bytes > 0 and torch.equal(grad, ref_grad), (rank, step, nbytes, ref_bytes)
+        assert warm[0][0] > warm[2][0] > warm[4][0]  # the wire really shrinks
 
 
 def _incremental_copies(ctx, incremental, use_shared, ahead=False, numel=64, ratio=8.0, gathers=10, exact_first=False):
