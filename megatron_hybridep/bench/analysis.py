@@ -3,6 +3,7 @@ target check, and the files (CSV, PNG, summary.json, report.txt) plus the printe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -45,9 +46,21 @@ def analyse(cfg: BenchConfig, session: Session, events: list[dict[str, Any]], el
         eff = probes.get(e["point"], {}).get("efficiency", 1.0)
         pred = bp.predict(shaped, unshaped, workload, plan, dense, base["median_s"], eff, steady)
         rows.append(make_row(cfg, e, base, pred, ep_median[e["point"]], eff, rep_median.get(e["point"])))
+    rows = with_auto_rows(rows, session)
     checks = br.check_targets(rows)
     write_outputs(cfg, rows, checks, session, elapsed_s, dense)
     return {"rows": rows, "checks": checks, "elapsed_s": elapsed_s}
+
+
+def with_auto_rows(rows: list[br.Row], session: Session) -> list[br.Row]:
+    """Where the auto layout was a system measured at that point (not run again), that system's row
+    as auto's too, labelled with the layout and what it equals."""
+    extra = []
+    for point, same in session.info.get("auto_same_as", {}).items():
+        row = next(r for r in rows if r.point == int(point) and r.system == same)
+        lay = session.layouts[(int(point), "auto")]
+        extra.append(dataclasses.replace(row, system="auto", plan=f"PP{lay.pp} EP{lay.ep} (= {same})"))
+    return sorted(rows + extra, key=lambda r: (r.point, SYSTEMS.index(r.system)))
 
 
 def make_row(cfg: BenchConfig, e: dict[str, Any], base: dict[str, Any], pred: bp.Prediction,
@@ -173,6 +186,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         "dense_params": dense_params,
         "hybridep_plans": session.info["chosen"], "planner_best_overall": session.info["planner_best"],
         "layouts": session.info.get("layouts", {}),  # pp's and auto's layout and stage plan per "point system"
+        "auto_same_as": session.info.get("auto_same_as", {}),  # point -> the system whose layout auto chose
         "overlap_grad_reduce": cfg.overlap_grad_reduce,
         "grad_compression_ratio": cfg.grad_compression_ratio,
         "targets": [c.__dict__ for c in checks],

@@ -113,21 +113,14 @@ class Session:
                 sizes = [p["tokens"] * m.top_k * m.hidden_size * bp.FP32 for p in self.cfg.points]
                 return {"probe": {"sizes": sizes, "repeats": PROBE_REPEATS}}
             self.set_shaped(False)
-            if not self.queue or self.launch_point not in (None, self.queue[0][0]):
-                return {"done": True}  # the sweep is over, or this launch's point is (fresh ranks per point)
-            self.current = self.queue.pop(0)
-            self.launch_point = self.current[0]
-            point, system = self.current
-            order: dict[str, Any] = {"system": system, "point": self.cfg.points[point],
-                                     "warmup": self.cfg.warmup, "iters": self.cfg.iters}
-            if system.startswith("hybridep"):  # EP ran first at this point: its calibration feeds the planner
-                order["plans"] = [self.choose_plan(point, system).to_dict()]
-            if system == COMPRESSED:
-                order["compression_ratio"] = self.cfg.compression_ratio
-                order["grad_compression_ratio"] = self.cfg.grad_compression_ratio
-            if system in LAYOUTS:
-                order.update(self.choose_layout(point, system))
-            return order
+            while True:
+                if not self.queue or self.launch_point not in (None, self.queue[0][0]):
+                    return {"done": True}  # the sweep is over, or this launch's point is (fresh ranks per point)
+                self.current = self.queue.pop(0)
+                self.launch_point = self.current[0]
+                order = self._order(*self.current)
+                if order is not None:
+                    return order
         if op == "shape":
             assert self.current is not None
             self.set_shaped(True)
@@ -135,6 +128,45 @@ class Session:
                                                                  and is_hybridep(self.chosen[self.current]))
             return {"measure": [0] if hybrid else [None]}
         raise BenchError(f"control: unknown request {request!r} from the rank 0 worker")
+
+    def _order(self, point: int, system: str) -> dict[str, Any] | None:
+        """What the ranks run for ``system`` at ``point``; None for an auto layout that is a system
+        measured at this point already (it is that system's row: a second run would add only noise)."""
+        order: dict[str, Any] = {"system": system, "point": self.cfg.points[point],
+                                 "warmup": self.cfg.warmup, "iters": self.cfg.iters}
+        if system.startswith("hybridep"):  # EP ran first at this point: its calibration feeds the planner
+            order["plans"] = [self.choose_plan(point, system).to_dict()]
+        if system == COMPRESSED:
+            order["compression_ratio"] = self.cfg.compression_ratio
+            order["grad_compression_ratio"] = self.cfg.grad_compression_ratio
+        if system in LAYOUTS:
+            order.update(self.choose_layout(point, system))
+            same = self.same_system(point) if system == "auto" else None
+            if same is not None:
+                self.info.setdefault("auto_same_as", {})[str(point)] = same
+                self.say(f"point {point}: auto chose {order['layout']['name']}, the {same} system's layout: "
+                         "its measurement stands for both")
+                return None
+        return order
+
+    def same_system(self, point: int) -> str | None:
+        """The system run earlier at ``point`` (in this run's queue order) whose configuration is the
+        auto layout's: the same stages, EP size, micro-batches, dispatcher and (HybridEP) plan."""
+        lay, plan = self.layouts[(point, "auto")], self.chosen[(point, "auto")]
+        world, per_dc, m = self.cfg.world, self.cfg.ranks_per_dc, self.cfg.micro_batches
+        if lay.tp != 1:
+            return None
+        if is_hybridep(plan):
+            other = self.chosen.get((point, "hybridep"))
+            same = (lay.pp == 1 and lay.ep == world and lay.micro_batches == m and other is not None
+                    and _bare(other) == _bare(plan))
+            return "hybridep" if same else None
+        ran = SYSTEMS[:SYSTEMS.index("auto")]
+        for system, (pp, ep, micro) in (("ep", (1, world, m)), ("replicated", (1, per_dc, m)),
+                                        ("pp", (self.cfg.dcs, per_dc, m * self.cfg.dcs))):
+            if system in self.cfg.systems and system in ran and (lay.pp, lay.ep, lay.micro_batches) == (pp, ep, micro):
+                return system
+        return None
 
     def topology(self, shaped: bool) -> Any:
         wan = self.cfg.rate_mbit * TCP_GOODPUT_FRACTION if shaped else self.info["unshaped_wan_mbit"]
@@ -186,3 +218,8 @@ class Session:
         return {"layout": {"pp": layout.pp, "ep": layout.ep, "name": name},
                 "micro_batches": layout.micro_batches, "dispatcher": "hybridep" if hybrid else "alltoall",
                 **({"plans": [plan.to_dict()]} if hybrid else {})}
+
+
+def _bare(plan: Plan) -> Plan:
+    """The plan without the planner's figures: what the ranks run."""
+    return dataclasses.replace(plan, predicted={}, link_bytes={})

@@ -316,3 +316,45 @@ def test_reanalyse_reproduces_the_runs_own_analysis(smoke_m1, tmp_path):
         again = list(csv.DictReader(f))
     key = ("point", "system", "plan", "median_s", "unshaped_s", "predicted_s", "wan_tx_mb", "a2a_efficiency")
     assert [tuple(r[k] for k in key) for r in again] == [tuple(r[k] for k in key) for r in rows]
+
+
+def test_an_auto_layout_that_is_a_measured_system_stands_for_it_instead_of_running_again():
+    """At 4 DCs x 2 the planner chose PP1 EP2, the replicated system's configuration: its second run,
+    at 3x the machine's load, read 13.3 s against 9.0 s and counted as a planner miss."""
+    import dataclasses
+    import io
+
+    from megatron_hybridep.bench import predict as bp
+    from megatron_hybridep.bench.analysis import with_auto_rows
+    from megatron_hybridep.bench.cli import resolve
+    from megatron_hybridep.bench.report import Row
+    from megatron_hybridep.bench.session import Session
+    from megatron_hybridep.plan.layout import Layout
+    from megatron_hybridep.plan.plan import Plan
+
+    cfg = resolve(_args(dcs=4, ranks_per_dc=2, micro_batches=8, model="configs/models/bench-moe-deep.yaml"))
+    session = Session(cfg, tb=None, log=io.StringIO())
+    topo = bp.testbed_topology(4, 2, 10.0, 1000.0)
+    experts = cfg.model.num_experts
+
+    def auto(layout, plan):
+        session.layouts[(0, "auto")], session.chosen[(0, "auto")] = layout, plan
+        return session.same_system(0)
+
+    assert auto(Layout(1, 1, 2, 8, 8), bp.stage_plan(topo, 1, 2, experts)) == "replicated"
+    assert auto(Layout(1, 1, 8, 8, 8), bp.stage_plan(topo, 1, 8, experts)) == "ep"
+    assert auto(bp.pp_layout(4, 2, 8), bp.stage_plan(topo, 4, 2, experts)) == "pp"
+    assert auto(Layout(1, 2, 4, 4, 16), bp.stage_plan(topo, 2, 4, experts)) is None  # no such system ran
+    assert auto(Layout(1, 1, 2, 8, 4), bp.stage_plan(topo, 1, 2, experts)) is None  # other micro-batches
+    hybrid = Plan.grid((4, 2), (2, 1), experts, ("dc", "gpu"))
+    session.chosen[(0, "hybridep")] = dataclasses.replace(hybrid, predicted={"step_s": 1.0})
+    assert auto(Layout(1, 1, 8, 8, 8), hybrid) == "hybridep"  # the same plan, the planner's figures aside
+    assert auto(Layout(1, 1, 8, 8, 8), Plan.grid((4, 2), (4, 1), experts, ("dc", "gpu"))) is None
+
+    session.layouts[(0, "auto")] = Layout(1, 1, 2, 8, 8)
+    session.info["auto_same_as"] = {"0": "replicated"}
+    blank = Row(**{f.name: 0 for f in dataclasses.fields(Row)})
+    base = [dataclasses.replace(blank, system=s, plan=s, median_s=t) for s, t in (("ep", 3.0), ("replicated", 2.0))]
+    rows = with_auto_rows(base, session)
+    assert [(r.system, r.plan, r.median_s) for r in rows] == [
+        ("ep", "ep", 3.0), ("replicated", "replicated", 2.0), ("auto", "PP1 EP2 (= replicated)", 2.0)]
