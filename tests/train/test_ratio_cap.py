@@ -23,6 +23,14 @@ def test_a_raised_or_no_cap_runs_what_is_asked(cap, runs):
     assert (ratio_notice(args) is None) == (runs == 50.0)
 
 
+def test_weights_and_gradients_both_compressed_are_noted():
+    both = ratio_notice(parse(["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio", "10"]))
+    assert both is not None and "both compressed" in both and "capped" not in both
+    capped = ratio_notice(parse(["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio", "50"]))
+    assert len(capped.splitlines()) == 2 and "capped at 10" in capped
+    assert ratio_notice(parse(["--hybridep-compression-ratio", "50"])) is None  # weights alone
+
+
 def test_under_the_cap_nothing_changes():
     args = parse(["--hybridep-grad-compression-ratio", "4"])
     assert grad_ratio(args) == 4.0 and ratio_notice(args) is None
