@@ -61,6 +61,7 @@ def measure(args: argparse.Namespace) -> dict:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_hybridep.megatron import cpu_runtime, register, teardown
+    from megatron_hybridep.megatron.compat import transformer_engine_version
     from megatron_hybridep.testing.moe import MoESpec, rank_input
 
     cuda = args.device == "cuda"
@@ -78,7 +79,7 @@ def measure(args: argparse.Namespace) -> dict:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
         spec = MoESpec(hidden=args.hidden, ffn=args.ffn, experts=args.experts, topk=args.topk,
                        aux_loss_coeff=1e-2, seq=args.seq, batch=args.batch, dtype=dtype)
-        use_te = cuda and not args.local and _te_importable()
+        use_te = cuda and not args.local and transformer_engine_version() is not None
         layers, runtime = _layers(spec, args.device, use_te)
         x0 = rank_input(spec, 0).to(args.device)
         dy = rank_input(spec, 0, step=9).to(args.device)
@@ -117,12 +118,6 @@ def measure(args: argparse.Namespace) -> dict:
                 iters=args.iters, median_ms={s: statistics.median(v) for s, v in times.items()},
                 ratio=statistics.median(ratios), ratio_ci95=bootstrap_interval(ratios),
                 diff_ms=statistics.median(diffs), diff_ms_ci95=bootstrap_interval(diffs), times_ms=times)
-
-
-def _te_importable() -> bool:
-    from megatron_hybridep.megatron.compat import transformer_engine_version
-
-    return transformer_engine_version() is not None
 
 
 def main(argv: list[str] | None = None) -> int:

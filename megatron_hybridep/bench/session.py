@@ -161,10 +161,10 @@ class Session:
             same = (lay.pp == 1 and lay.ep == world and lay.micro_batches == m and other is not None
                     and _bare(other) == _bare(plan))
             return "hybridep" if same else None
-        ran = SYSTEMS[:SYSTEMS.index("auto")]
-        for system, (pp, ep, micro) in (("ep", (1, world, m)), ("replicated", (1, per_dc, m)),
-                                        ("pp", (self.cfg.dcs, per_dc, m * self.cfg.dcs))):
-            if system in self.cfg.systems and system in ran and (lay.pp, lay.ep, lay.micro_batches) == (pp, ep, micro):
+        pp = bp.pp_layout(self.cfg.dcs, per_dc, m)
+        for system, key in (("ep", (1, world, m)), ("replicated", (1, per_dc, m)),
+                            ("pp", (pp.pp, pp.ep, pp.micro_batches))):  # all queued before auto
+            if system in self.cfg.systems and (lay.pp, lay.ep, lay.micro_batches) == key:
                 return system
         return None
 

@@ -15,24 +15,39 @@ from megatron_hybridep.train.launch import run_ranks
 SPEC = MoESpec(hidden=16, ffn=32, experts=4, topk=2, seq=8, batch=2)
 
 
-def _compressed(ctx, ratio, grad_ratio, use_shared, steps):
+def _init(ctx):
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_hybridep.megatron import cpu_runtime, register, setup, teardown
-    from megatron_hybridep.plan.plan import Plan
-    from megatron_hybridep.runtime.compression import SharedResidualCodec
-    from megatron_hybridep.runtime.migration import MigrationConfig
-    from megatron_hybridep.testing.moe import build_moe_layer
+    from megatron_hybridep.megatron import cpu_runtime, register
 
     cpu_runtime.enable()
     register()
     ps.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
+
+
+def _domain_layer(ctx, migration):
+    """(runtime, hybridep layer) with every rank in one domain, ``migration`` moving the experts."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_hybridep.megatron import setup
+    from megatron_hybridep.plan.plan import Plan
+    from megatron_hybridep.testing.moe import build_moe_layer
+
     model_parallel_cuda_manual_seed(7)
-    runtime = setup([Plan.grid((ctx.world_size,), (ctx.world_size,), SPEC.experts)],
-                    migration=MigrationConfig(ratio, grad_ratio, use_shared, shared_refresh_every=0,
-                                              incremental=False))  # fixed copies: identical backward passes
-    layer = build_moe_layer(dataclasses.replace(SPEC, dispatcher="hybridep"), ctx.rank, ctx.world_size)
+    runtime = setup([Plan.grid((ctx.world_size,), (ctx.world_size,), SPEC.experts)], migration=migration)
+    return runtime, build_moe_layer(dataclasses.replace(SPEC, dispatcher="hybridep"), ctx.rank, ctx.world_size)
+
+
+def _compressed(ctx, ratio, grad_ratio, use_shared, steps):
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybridep.megatron import teardown
+    from megatron_hybridep.runtime.compression import SharedResidualCodec
+    from megatron_hybridep.runtime.migration import MigrationConfig
+
+    _init(ctx)
+    runtime, layer = _domain_layer(ctx, MigrationConfig(ratio, grad_ratio, use_shared, shared_refresh_every=0,
+                                                        incremental=False))  # fixed copies: same backward passes
     gather = layer._plan_state[0].gather
     borrowed = gather.borrowed()
     # The oracle for the copies: encode the peer's true weights with the codec directly.
@@ -100,23 +115,15 @@ def _warmup_returns(ctx, cases):
     (residual cleared between), gradients returned at ratio with that warm-up -> {step: (bytes
     sent, owner's gradient)}."""
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_hybridep.megatron import cpu_runtime, register, setup, teardown
-    from megatron_hybridep.plan.plan import Plan
+    from megatron_hybridep.megatron import teardown
     from megatron_hybridep.runtime.migration import MigrationConfig
-    from megatron_hybridep.testing.moe import build_moe_layer
 
-    cpu_runtime.enable()
-    register()
-    ps.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
+    _init(ctx)
     results = []
     for ratio, warmup, steps_at in cases:
-        model_parallel_cuda_manual_seed(7)
-        runtime = setup([Plan.grid((ctx.world_size,), (ctx.world_size,), SPEC.experts)],
-                        migration=MigrationConfig(4.0, ratio, shared_refresh_every=0, incremental=False,
-                                                  grad_warmup_steps=warmup))
-        layer = build_moe_layer(dataclasses.replace(SPEC, dispatcher="hybridep"), ctx.rank, ctx.world_size)
+        runtime, layer = _domain_layer(ctx, MigrationConfig(4.0, ratio, shared_refresh_every=0, incremental=False,
+                                                            grad_warmup_steps=warmup))
         gather = layer._plan_state[0].gather
         out_of = {}
         for step in steps_at:
