@@ -11,14 +11,18 @@ Per size and ratio (median of --repeats, CUDA events, after warm-up):
 - encode / decode of one expert (Triton), and bandwidth = the bytes the operation must move at
   least (encode: read weight + base, write the payload; decode: read base + payload, write the
   weight) / time, as a share of the peak;
-- optimizer + encode of a layer's --rows experts (the owner's step): unfused = torch's fused AdamW
-  on the fp32 masters, the bf16 copy, then encode; fused = kernels.fused_codec.adamw_step_hist
-  (AdamW + bf16 copy + the encode's first histogram in one pass), then encode without that pass.
+- optimizer + encode of a layer's --rows experts (the owner's step): torch's fused AdamW on the fp32
+  masters and the bf16 copy, then the encode one expert at a time (per-exp: the runtime before the
+  batched encode) or every expert in one set of launches (batch: SharedResidualCodec.encode_batch,
+  what the runtime runs); +hist = kernels.fused_codec.adamw_step_hist (AdamW + bf16 copy + the
+  encode's first histogram in one pass), then the batched encode without that pass.
   "encode overhead" = that time minus the optimizer alone (torch fused AdamW + copy);
 - decode of --rows borrowed experts just before the expert computation: unfused = what
   runtime/migration.py does per row (rebase copy + shift after a shared-expert refresh, then
   decode); fused = SharedResidualCodec.decode_rows (one launch, rebase folded in). Without a
-  refresh (no shift) both are one pass per row; the fused one is a single launch.
+  refresh (no shift) both are one pass per row; the fused one is a single launch;
+- layer overhead: what one layer's codec adds to a step (encode overhead + decode without a
+  refresh), before (per-expert encode, per-row decode) and now (batched encode, fused decode).
 """
 
 from __future__ import annotations
@@ -140,10 +144,16 @@ def bench_size(name: str, n: int, ratio: float, rows: int, device: torch.device,
                                   weight_decay=0.1, step=state["step"])
         codec.encode_batch(model, base, out=buf, first_hists=hists)
 
+    def per_expert_encode() -> None:  # the runtime before the batched encode: one set of launches per expert
+        for e in range(rows):
+            codec.encode(model[e], base[e], out=buf[e * lay.nbytes:(e + 1) * lay.nbytes])
+
     opt_ms = median_ms(torch_step)
+    per_expert = median_ms(lambda: (torch_step(), per_expert_encode()))
     unfused = median_ms(lambda: (torch_step(), codec.encode_batch(model, base, out=buf)))
     fused = median_ms(fused_step)
-    row.update(optimizer_ms=opt_ms, opt_encode_unfused_ms=unfused, opt_encode_fused_ms=fused,
+    row.update(optimizer_ms=opt_ms, opt_encode_per_expert_ms=per_expert, opt_encode_unfused_ms=unfused,
+               opt_encode_fused_ms=fused, encode_overhead_per_expert_ms=per_expert - opt_ms,
                encode_overhead_unfused_ms=unfused - opt_ms, encode_overhead_fused_ms=fused - opt_ms)
 
     # decode of `rows` borrowed experts before the expert computation, after a shared refresh
@@ -159,6 +169,9 @@ def bench_size(name: str, n: int, ratio: float, rows: int, device: torch.device,
         row[f"decode_{tag}_unfused_ms"] = median_ms(lambda ws=with_shift: unfused_decode(ws))
         row[f"decode_{tag}_fused_ms"] = median_ms(
             lambda ws=with_shift: codec.decode_rows(payloads, copies, out=decoded, shift=shift if ws else None))
+    # what one layer's codec adds to a step (owner's encode + the borrowed rows' decode, no refresh)
+    row["layer_overhead_before_ms"] = row["encode_overhead_per_expert_ms"] + row["decode_plain_unfused_ms"]
+    row["layer_overhead_now_ms"] = row["encode_overhead_unfused_ms"] + row["decode_plain_fused_ms"]
     return row
 
 
@@ -185,21 +198,21 @@ def main(argv: list[str] | None = None) -> int:
           f"{f'{peak / 1e12:.2f} TB/s' if peak else 'n/a'} ({source}); bf16; median of {args.repeats}")
     rows = []
     hdr = (f"{'model':>17} {'params':>6} {'ratio':>5} {'enc ms':>7} {'GB/s':>6} {'%pk':>4} {'dec ms':>7} {'GB/s':>6} "
-           f"{'%pk':>4} | {'opt ms':>7} {'enc ovh unf/fus ms':>19} {'cut':>5} | "
-           f"{'dec refresh unf/fus':>20} {'dec plain unf/fus':>18}")
+           f"{'%pk':>4} | {'opt ms':>7} {'enc ovh per-exp/batch/+hist ms':>30} | "
+           f"{'dec refresh unf/fus':>20} {'dec plain unf/fus':>18} | {'layer ovh before/now':>20}")
     print(hdr)
     for label, n in sizes.items():
         for ratio in args.ratios:
             r = bench_size(label, n, ratio, args.rows, device, args.repeats, peak)
             rows.append(r)
-            cut = 1 - r["encode_overhead_fused_ms"] / r["encode_overhead_unfused_ms"] \
-                if r["encode_overhead_unfused_ms"] > 0 else float("nan")
+            enc = (f"{r['encode_overhead_per_expert_ms']:.2f}/{r['encode_overhead_unfused_ms']:.2f}/"
+                   f"{r['encode_overhead_fused_ms']:.2f}")
             print(f"{label:>17} {n / 1e6:5.1f}M {ratio:5.0f} {r['encode_ms']:7.3f} {r['encode_GBps']:6.0f} "
                   f"{r.get('encode_pct_peak', float('nan')):4.0f} {r['decode_ms']:7.3f} {r['decode_GBps']:6.0f} "
-                  f"{r.get('decode_pct_peak', float('nan')):4.0f} | {r['optimizer_ms']:7.2f} "
-                  f"{r['encode_overhead_unfused_ms']:9.2f}/{r['encode_overhead_fused_ms']:<9.2f} {cut:5.0%} | "
+                  f"{r.get('decode_pct_peak', float('nan')):4.0f} | {r['optimizer_ms']:7.2f} {enc:>30} | "
                   f"{r['decode_refresh_unfused_ms']:9.2f}/{r['decode_refresh_fused_ms']:<9.2f} "
-                  f"{r['decode_plain_unfused_ms']:8.2f}/{r['decode_plain_fused_ms']:<8.2f}", flush=True)
+                  f"{r['decode_plain_unfused_ms']:8.2f}/{r['decode_plain_fused_ms']:<8.2f} | "
+                  f"{r['layer_overhead_before_ms']:9.2f}/{r['layer_overhead_now_ms']:<9.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=name, torch=torch.__version__, peak_bytes_s=peak, peak_source=source,

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 TILE = 256  # count/compact/decode tile; equals the smallest index block (2**8)
-HIST_TILE = 1024
+HIST_TILE = 4096  # radix histogram tile: 4096 beat 1024 by 15-20% at DeepSeek-V3 size on an H200 (docs/gpu.md)
 ENTRY_CHUNK = 16  # sparse entries per one-hot step in decode: a 16 x 256 compare in registers
 
 _VKIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -62,59 +62,81 @@ def _residual(w_ptr, s_ptr, offs, mask, HAS_SHARED: tl.constexpr):
 
 
 @triton.jit
-def _radix_hist_kernel(w_ptr, s_ptr, prefix_ptr, hist_ptr, n, ntiles,
+def _radix_hist_kernel(w_ptr, s_ptr, s_row_stride, prefix_ptr, hist_ptr, n, ntiles,
                        SHIFT: tl.constexpr, HI_MASK: tl.constexpr, HAS_SHARED: tl.constexpr,
                        BLOCK: tl.constexpr):
+    # grid: (programs per row, rows); each program strides over its row's tiles
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    prefix = tl.load(prefix_ptr)
+    row = tl.program_id(1).to(tl.int64)
+    prefix = tl.load(prefix_ptr + row)
     h = tl.zeros([256], dtype=tl.int32)
     for t in range(pid, ntiles, nprog):
-        offs = t * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n
-        mag = _residual(w_ptr, s_ptr, offs, m, HAS_SHARED).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        local = t * BLOCK + tl.arange(0, BLOCK)
+        m = local < n
+        mag = _residual(w_ptr + row * n, s_ptr + row * s_row_stride, local, m,
+                        HAS_SHARED).to(tl.int32, bitcast=True) & 0x7FFFFFFF
         # Only entries whose more significant digits equal the prefix found so far compete.
         m = m & ((mag & HI_MASK) == prefix)
         h += tl.histogram((mag >> SHIFT) & 0xFF, 256, mask=m)
-    tl.atomic_add(hist_ptr + tl.arange(0, 256), h)
+    tl.atomic_add(hist_ptr + row * 256 + tl.arange(0, 256), h)
 
 
 @triton.jit
-def _tile_count_kernel(w_ptr, s_ptr, thr_ptr, ngt_ptr, neq_ptr, n,
+def _digit_kernel(hist_ptr, prefix_ptr, krem_ptr, SHIFT: tl.constexpr):
+    # one program per row: the digit d holding the krem-th largest, then krem -= #(digit > d)
+    row = tl.program_id(0).to(tl.int64)
+    d_all = tl.arange(0, 256)
+    h = tl.load(hist_ptr + row * 256 + d_all)
+    krem = tl.load(krem_ptr + row)
+    tail = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # tail[d] = #(digit >= d)
+    d = tl.sum((tail >= krem).to(tl.int32), axis=0) - 1
+    tl.store(krem_ptr + row, krem - tl.sum(tl.where(d_all > d, h, 0), axis=0))
+    tl.store(prefix_ptr + row, tl.load(prefix_ptr + row) | (d << SHIFT))
+
+
+@triton.jit
+def _tile_count_kernel(w_ptr, s_ptr, s_row_stride, thr_ptr, ngt_ptr, neq_ptr, n, ntiles,
                        HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+    # grid: (tiles, rows); tiles on axis 0 (CUDA caps the other axes at 65535)
     pid = tl.program_id(0)
-    thr = tl.load(thr_ptr)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    mag = _residual(w_ptr, s_ptr, offs, m, HAS_SHARED).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    tl.store(ngt_ptr + pid, tl.sum(((mag > thr) & m).to(tl.int32), axis=0))
-    tl.store(neq_ptr + pid, tl.sum(((mag == thr) & m).to(tl.int32), axis=0))
+    row = tl.program_id(1).to(tl.int64)
+    thr = tl.load(thr_ptr + row)
+    local = pid * BLOCK + tl.arange(0, BLOCK)
+    m = local < n
+    mag = _residual(w_ptr + row * n, s_ptr + row * s_row_stride, local, m,
+                    HAS_SHARED).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    tl.store(ngt_ptr + row * ntiles + pid, tl.sum(((mag > thr) & m).to(tl.int32), axis=0))
+    tl.store(neq_ptr + row * ntiles + pid, tl.sum(((mag == thr) & m).to(tl.int32), axis=0))
 
 
 @triton.jit
-def _compact_kernel(w_ptr, s_ptr, thr_ptr, take_ptr, start_ptr, val_ptr, off_ptr, n,
+def _compact_kernel(w_ptr, s_ptr, s_row_stride, thr_ptr, take_ptr, start_ptr, val_ptr, val_stride,
+                    off_ptr, off_stride, n, ntiles,
                     HAS_SHARED: tl.constexpr, BLOCK_MASK: tl.constexpr, VKIND: tl.constexpr,
                     OFF_KIND: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    thr = tl.load(thr_ptr)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    r = _residual(w_ptr, s_ptr, offs, m, HAS_SHARED)
+    row = tl.program_id(1).to(tl.int64)
+    thr = tl.load(thr_ptr + row)
+    local = pid * BLOCK + tl.arange(0, BLOCK)
+    m = local < n
+    r = _residual(w_ptr + row * n, s_ptr + row * s_row_stride, local, m, HAS_SHARED)
     mag = r.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     gt = (mag > thr) & m
     eq = (mag == thr) & m
-    take = tl.load(take_ptr + pid)
+    take = tl.load(take_ptr + row * ntiles + pid)
     eq_rank = tl.cumsum(eq.to(tl.int32), axis=0) - 1
     sel = gt | (eq & (eq_rank < take))
-    pos = tl.load(start_ptr + pid) + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-    _store_float(val_ptr + pos, r, sel, VKIND)
-    local = offs & BLOCK_MASK
+    pos = tl.load(start_ptr + row * ntiles + pid) + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    _store_float(val_ptr + row * val_stride + pos, r, sel, VKIND)
+    lb = local & BLOCK_MASK
+    out = off_ptr + row * off_stride + pos
     if OFF_KIND == 0:
-        tl.store(off_ptr + pos, local.to(tl.uint8), mask=sel)
+        tl.store(out, lb.to(tl.uint8), mask=sel)
     elif OFF_KIND == 1:
-        tl.store(off_ptr + pos, local.to(tl.int16), mask=sel)  # int16 view of uint16 storage
+        tl.store(out, lb.to(tl.int16), mask=sel)  # int16 view of uint16 storage
     else:
-        tl.store(off_ptr + pos, local, mask=sel)
+        tl.store(out, lb, mask=sel)
 
 
 @triton.jit
@@ -153,40 +175,46 @@ def _as_kernel_float(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def _hist_programs(ntiles: int, device: torch.device) -> int:
+def _hist_programs(ntiles: int, rows: int, device: torch.device) -> int:
+    """Histogram programs per row: about 16 per SM over the whole launch (4 per SM left the
+    bandwidth-bound passes latency bound at DeepSeek-V3 size)."""
     if device.type == "cuda":
-        return min(ntiles, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
-    return min(ntiles, 4)  # interpreter: programs run one after another anyway
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(ntiles, -(-16 * sms // rows)))
+    return min(ntiles, 2)  # interpreter: programs run one after another anyway
 
 
-def _radix_select(w: torch.Tensor, s: torch.Tensor | None, k: int,
-                  first_hist: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T as int32[1], how many entries equal to T to take as int64[]), all on the device.
-    ``first_hist``: the top digit's histogram, already counted (by a fused optimizer step)."""
-    n = w.numel()
+def _rows_grid(ntiles: int, rows: int) -> tuple[int, int]:
+    if rows > 65535:
+        raise ValueError(f"{rows} rows in one launch; CUDA's grid allows 65535 on axis 1")
+    return ntiles, rows
+
+
+def _radix_select(w: torch.Tensor, s: torch.Tensor | None, s_row_stride: int, k: int,
+                  first_hists: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: (T, how many entries equal to T to take), int32[R] each, all on the device, in
+    eight launches whatever R is. ``first_hists``: the top digit's [R, 256] histograms, already
+    counted (by a fused optimizer step)."""
+    rows, n = w.shape
     dev = w.device
-    prefix = torch.zeros(1, dtype=torch.int32, device=dev)
-    krem = torch.full((), k, dtype=torch.int64, device=dev)
-    hist = torch.empty(256, dtype=torch.int32, device=dev)
+    prefix = torch.zeros(rows, dtype=torch.int32, device=dev)
+    krem = torch.full((rows,), k, dtype=torch.int32, device=dev)
+    hists = torch.zeros(4, rows, 256, dtype=torch.int32, device=dev)
     ntiles = triton.cdiv(n, HIST_TILE)
-    grid = (_hist_programs(ntiles, dev),)
-    for shift in (24, 16, 8, 0):
-        if shift == 24 and first_hist is not None:
-            hist.copy_(first_hist)
+    grid = _rows_grid(_hist_programs(ntiles, rows, dev), rows)
+    for i, shift in enumerate((24, 16, 8, 0)):
+        hist = hists[i]
+        if shift == 24 and first_hists is not None:
+            hist = first_hists.contiguous()
         else:
-            hist.zero_()
             hi_mask = (0x7FFFFFFF >> (shift + 8)) << (shift + 8)
-            _radix_hist_kernel[grid](w, w if s is None else s, prefix, hist, n, ntiles,
+            _radix_hist_kernel[grid](w, w if s is None else s, s_row_stride, prefix, hist, n, ntiles,
                                      SHIFT=shift, HI_MASK=hi_mask, HAS_SHARED=s is not None, BLOCK=HIST_TILE)
-        tail = hist.flip(0).cumsum(0).flip(0)  # tail[d] = #(digit >= d)
-        d = (tail >= krem).sum() - 1  # the digit holding the krem-th largest
-        above = torch.nn.functional.pad(tail, (0, 1)).gather(0, (d + 1).view(1)).squeeze(0)
-        krem = krem - above
-        prefix = prefix | (d.to(torch.int32) << shift)
+        _digit_kernel[(rows,)](hist, prefix, krem, SHIFT=shift)
     return prefix, krem
 
 
-def residual_topk_encode(
+def residual_topk_encode_rows(
     weight: torch.Tensor,
     shared: torch.Tensor | None,
     k: int,
@@ -194,35 +222,39 @@ def residual_topk_encode(
     values: torch.Tensor,
     offsets: torch.Tensor,
     counts: torch.Tensor,
-    first_hist: torch.Tensor | None = None,
+    first_hists: torch.Tensor | None = None,
 ) -> None:
-    w = _flat(weight)
-    s = None if shared is None else _flat(shared)
-    n = w.numel()
-    thr, need_eq = _radix_select(w, s, k, first_hist)
+    """Every row of weight [R, n] encoded at once (kernels.codec.residual_topk_encode_rows)."""
+    rows, n = weight.shape
+    w = weight.contiguous()
+    s = None if shared is None else shared.contiguous()
+    s_row_stride = 0 if s is None or s.dim() == 1 else n
+    thr, need_eq = _radix_select(w, s, s_row_stride, k, first_hists)
     ntiles = triton.cdiv(n, TILE)
-    ngt = torch.empty(ntiles, dtype=torch.int32, device=w.device)
-    neq = torch.empty(ntiles, dtype=torch.int32, device=w.device)
+    ngt = torch.empty(rows, ntiles, dtype=torch.int32, device=w.device)
+    neq = torch.empty(rows, ntiles, dtype=torch.int32, device=w.device)
     s_arg = w if s is None else s
-    _tile_count_kernel[(ntiles,)](w, s_arg, thr, ngt, neq, n, HAS_SHARED=s is not None, BLOCK=TILE)
+    grid = _rows_grid(ntiles, rows)
+    _tile_count_kernel[grid](w, s_arg, s_row_stride, thr, ngt, neq, n, ntiles, HAS_SHARED=s is not None,
+                             BLOCK=TILE)
     neq64 = neq.long()
-    eq_before = neq64.cumsum(0) - neq64
-    take = (need_eq - eq_before).clamp(min=0).minimum(neq64)  # ties go to the lowest indices
+    eq_before = neq64.cumsum(1) - neq64
+    take = (need_eq.long().unsqueeze(1) - eq_before).clamp(min=0).minimum(neq64)  # ties: lowest indices
     cnt = ngt.long() + take
-    start = cnt.cumsum(0) - cnt
+    start = cnt.cumsum(1) - cnt
     off_kind = {8: 0, 16: 1, 32: 2}[block_bits]
     off_arg = offsets.view(torch.int16) if block_bits == 16 else offsets
-    _compact_kernel[(ntiles,)](w, s_arg, thr, take.to(torch.int32), start.to(torch.int32),
-                               _as_kernel_float(values), off_arg, n,
-                               HAS_SHARED=s is not None,
-                               BLOCK_MASK=0x7FFFFFFF if block_bits >= 32 else (1 << block_bits) - 1,
-                               VKIND=_VKIND[values.dtype], OFF_KIND=off_kind, BLOCK=TILE)
+    _compact_kernel[grid](w, s_arg, s_row_stride, thr, take.to(torch.int32), start.to(torch.int32),
+                          _as_kernel_float(values), values.stride(0), off_arg, offsets.stride(0), n, ntiles,
+                          HAS_SHARED=s is not None,
+                          BLOCK_MASK=0x7FFFFFFF if block_bits >= 32 else (1 << block_bits) - 1,
+                          VKIND=_VKIND[values.dtype], OFF_KIND=off_kind, BLOCK=TILE)
     if block_bits == 8:
         counts.copy_(cnt)
     elif block_bits == 16:
         per_block = (1 << 16) // TILE
         padded = torch.nn.functional.pad(cnt, (0, (-ntiles) % per_block))
-        counts.copy_(padded.view(-1, per_block).sum(1))
+        counts.copy_(padded.view(rows, -1, per_block).sum(2))
     else:
         counts.fill_(k)
 

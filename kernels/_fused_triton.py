@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from megatron_hybridep.kernels._codec_triton import _VKIND, ENTRY_CHUNK, HIST_TILE, TILE, _as_kernel_float, _store_float
+from megatron_hybridep.kernels._codec_triton import _VKIND, ENTRY_CHUNK, TILE, _as_kernel_float, _store_float
+
+ADAMW_TILE = 1024  # the fused optimizer pass holds six fp32 tiles in registers
 
 
 @triton.jit
@@ -106,12 +108,12 @@ def _programs_per_row(ntiles: int, rows: int, device: torch.device) -> int:
 
 def adamw_hist(param, grad, exp_avg, exp_avg_sq, model_out, base, hist, scalars: dict) -> None:
     rows, n = param.shape
-    ntiles = triton.cdiv(n, HIST_TILE)
+    ntiles = triton.cdiv(n, ADAMW_TILE)
     grid = (rows, _programs_per_row(ntiles, rows, param.device))
     out = _as_kernel_float(model_out.view(-1))
     _adamw_hist_kernel[grid](param, grad, exp_avg, exp_avg_sq, out, param if base is None else base, hist,
                              n, ntiles, **scalars, HAS_BASE=base is not None, OUT_KIND=_VKIND[model_out.dtype],
-                             BLOCK=HIST_TILE)
+                             BLOCK=ADAMW_TILE)
 
 
 def decode_rows_grid(rows: int, ntiles: int) -> tuple[int, int]:

@@ -183,15 +183,53 @@ def residual_topk_encode(
     Results are the same with or without it; the torch backend ignores it.
     """
     _check_encode(weight, shared, k, block_bits, values, offsets, counts)
-    if first_hist is not None and (first_hist.numel() != 256 or first_hist.dtype != torch.int32):
-        raise ValueError(f"first_hist must be int32[256], got {first_hist.dtype}{tuple(first_hist.shape)}")
+    residual_topk_encode_rows(weight.reshape(1, -1), None if shared is None else shared.reshape(-1), k, block_bits,
+                              values.view(1, -1), offsets.view(1, -1), counts.view(1, -1), backend=backend,
+                              first_hists=None if first_hist is None else first_hist.reshape(1, -1))
+
+
+def residual_topk_encode_rows(
+    weight: torch.Tensor,
+    shared: torch.Tensor | None,
+    k: int,
+    block_bits: int,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    backend: Backend = "auto",
+    first_hists: torch.Tensor | None = None,
+) -> None:
+    """:func:`residual_topk_encode` of every row of ``weight`` [R, n], each row on its own.
+
+    shared: [R, n] (one base per row), [n] (one for all rows) or None. values / offsets / counts:
+    [R, k] / [R, k] / [R, nblocks]; their rows may be strided (column slices of a [R, nbytes]
+    payload buffer, as SharedResidualCodec.encode_batch passes them), the last dim contiguous.
+    first_hists: int32 [R, 256] or None. The Triton backend encodes all rows in one set of
+    launches (the encode is launch bound on a GPU, whatever the expert's size); the torch
+    backend is the per-row reference. Each row's bytes equal the single-tensor encode's.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [rows, n], got {tuple(weight.shape)}")
+    rows, n = weight.shape
+    if shared is not None and shared.shape not in ((rows, n), (n,)):
+        raise ValueError(f"shared must be [{rows}, {n}] or [{n}], got {tuple(shared.shape)}")
+    for name, t, cols in (("values", values, k), ("offsets", offsets, k), ("counts", counts, _nblocks(n, block_bits))):
+        if t.shape != (rows, cols) or t.stride(1) != 1:
+            raise ValueError(f"{name} must be [{rows}, {cols}] with contiguous rows, got {tuple(t.shape)}")
+    _check_encode(weight[0], None if shared is None else shared.reshape(-1, n)[0], k, block_bits,
+                  values[0], offsets[0], counts[0])
+    if first_hists is not None and (first_hists.shape != (rows, 256) or first_hists.dtype != torch.int32):
+        raise ValueError(f"first_hists must be int32[{rows}, 256], got {first_hists.dtype}{tuple(first_hists.shape)}")
     if _pick(backend, weight) == "triton":
         from megatron_hybridep.kernels import _codec_triton
 
-        _codec_triton.residual_topk_encode(weight, shared, k, block_bits, values, offsets, counts,
-                                           first_hist=first_hist)
-    else:
-        residual_topk_encode_torch(weight, shared, k, block_bits, values, offsets, counts)
+        _codec_triton.residual_topk_encode_rows(weight, shared, k, block_bits, values, offsets, counts,
+                                                first_hists=first_hists)
+        return
+    for r in range(rows):
+        s = None if shared is None else (shared if shared.dim() == 1 else shared[r])
+        residual_topk_encode_torch(weight[r], s, k, block_bits, values[r], offsets[r], counts[r])
 
 
 def absolute_indices(offsets: torch.Tensor, counts: torch.Tensor, block_bits: int) -> torch.Tensor:

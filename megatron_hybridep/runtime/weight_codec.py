@@ -32,6 +32,7 @@ from megatron_hybridep.kernels.codec import (
     VALUE_DTYPES,
     Backend,
     residual_topk_encode,
+    residual_topk_encode_rows,
     sparse_residual_decode,
 )
 from megatron_hybridep.plan import wire
@@ -143,13 +144,26 @@ def unpack(payload: torch.Tensor, layout: PayloadLayout) -> Sections:
 
 def _zero_padding(payload: torch.Tensor, layout: PayloadLayout) -> None:
     # Deterministic payload bytes (padding would otherwise be uninitialised memory).
+    # payload: one slot [nbytes], or [E, nbytes] (every slot's padding in one launch per gap).
     isz = _itemsize(layout.value_dtype)
     if layout.dense:
-        payload[layout.numel * isz:].zero_()
+        payload[..., layout.numel * isz:].zero_()
         return
-    payload[layout.k * isz: layout.counts_at].zero_()
-    payload[layout.counts_at + layout.nblocks * _itemsize(layout.count_dtype): layout.offsets_at].zero_()
-    payload[layout.offsets_at + layout.k * _itemsize(layout.offset_dtype):].zero_()
+    payload[..., layout.k * isz: layout.counts_at].zero_()
+    payload[..., layout.counts_at + layout.nblocks * _itemsize(layout.count_dtype): layout.offsets_at].zero_()
+    payload[..., layout.offsets_at + layout.k * _itemsize(layout.offset_dtype):].zero_()
+
+
+def _row_sections(payloads: torch.Tensor, layout: PayloadLayout) -> Sections:
+    """Views of every slot's sparse sections in a [E, nbytes] payload buffer: [E, k] values and
+    offsets, [E, nblocks] counts (strided rows, contiguous columns)."""
+
+    def cols(at: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+        return payloads[:, at:at + count * _itemsize(dtype)].view(dtype)
+
+    return Sections(values=cols(layout.values_at, layout.k, layout.value_dtype),
+                    offsets=cols(layout.offsets_at, layout.k, layout.offset_dtype),
+                    counts=cols(layout.counts_at, layout.nblocks, layout.count_dtype))
 
 
 def pack(sections: Sections, layout: PayloadLayout, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -328,17 +342,35 @@ class SharedResidualCodec:
         ``weights``: a [E, ...] tensor (such as a view of a rank's flat expert buffer) or a list.
         ``shared``: one tensor for all experts, or one per expert ([E, ...], e.g. each peer's copy).
         ``first_hists``: [E, 256] int32 from kernels.fused_codec.adamw_step_hist (the optimizer step
-        fused with the encode's first pass; it must have used the same base as ``shared``)."""
-        ws = list(weights.unbind(0)) if isinstance(weights, torch.Tensor) else list(weights)
-        if not ws:
+        fused with the encode's first pass; it must have used the same base as ``shared``).
+        Every expert is encoded in one set of kernel launches (kernels.codec.residual_topk_encode_rows);
+        each slot holds the bytes :meth:`encode` gives that expert."""
+        if not isinstance(weights, torch.Tensor):
+            if not weights:
+                raise ValueError("no experts to encode")
+            weights = torch.stack([w.reshape(weights[0].shape) for w in weights])
+        if weights.shape[0] == 0:
             raise ValueError("no experts to encode")
-        nb = self.nbytes(ws[0].numel(), ws[0].dtype)
-        buf = torch.empty(len(ws) * nb, dtype=torch.uint8, device=ws[0].device) if out is None else out.view(-1)
-        if buf.numel() != len(ws) * nb:
-            raise ValueError(f"out has {buf.numel()} bytes, {len(ws)} experts need {len(ws) * nb}")
-        for e, w in enumerate(ws):
-            self.encode(w, _per_expert(shared, e, w), out=buf[e * nb:(e + 1) * nb],
-                        first_hist=None if first_hists is None else first_hists[e])
+        e_count, n = weights.shape[0], weights[0].numel()
+        lay = self.layout(n, weights.dtype)
+        buf = torch.empty(e_count * lay.nbytes, dtype=torch.uint8, device=weights.device) if out is None else out
+        if buf.numel() != e_count * lay.nbytes:
+            raise ValueError(f"out has {buf.numel()} bytes, {e_count} experts need {e_count * lay.nbytes}")
+        p2 = buf.view(e_count, lay.nbytes)
+        rows = weights.reshape(e_count, n)
+        if lay.dense:
+            p2[:, :n * _itemsize(lay.value_dtype)].view(lay.value_dtype).copy_(rows)
+        else:
+            if not self.use_shared:
+                shared = None
+            elif shared is None:
+                raise ValueError("this codec needs the shared expert (or construct it with use_shared=False)")
+            else:
+                shared = shared.reshape(-1) if shared.dim() == weights.dim() - 1 else shared.reshape(e_count, n)
+            sec = _row_sections(p2, lay)
+            residual_topk_encode_rows(rows, shared, lay.k, lay.scheme.block_bits, sec.values, sec.offsets,
+                                      sec.counts, backend=self.backend, first_hists=first_hists)
+        _zero_padding(p2, lay)
         return buf
 
     def decode_batch(self, payloads: torch.Tensor, shared: torch.Tensor | None = None, *,
@@ -370,14 +402,8 @@ class SharedResidualCodec:
         if lay.dense or not self.use_shared:
             b = base if shift is None else base + shift.reshape(1, -1)
             return self.decode_batch(payloads, b if self.use_shared else None, out=out)
-        p2 = flat.view(rows, lay.nbytes)
-
-        def cols(at: int, count: int, dtype: torch.dtype) -> torch.Tensor:
-            return p2[:, at:at + count * _itemsize(dtype)].view(dtype)
-
-        return decode_rows(base.reshape(rows, -1), cols(lay.values_at, lay.k, lay.value_dtype),
-                           cols(lay.offsets_at, lay.k, lay.offset_dtype),
-                           cols(lay.counts_at, lay.nblocks, lay.count_dtype), lay.scheme.block_bits,
+        sec = _row_sections(flat.view(rows, lay.nbytes), lay)
+        return decode_rows(base.reshape(rows, -1), sec.values, sec.offsets, sec.counts, lay.scheme.block_bits,
                            out.view(rows, -1), shift=shift, backend=self.backend)
 
 

@@ -24,15 +24,19 @@ P = lambda t: "*" + t
 def variants():
     for wt in ("fp32", "bf16"):
         yield "hist", K._radix_hist_kernel, {
-            "w_ptr": P(wt), "s_ptr": P(wt), "prefix_ptr": "*i32", "hist_ptr": "*i32", "n": "i32", "ntiles": "i32",
+            "w_ptr": P(wt), "s_ptr": P(wt), "s_row_stride": "i32", "prefix_ptr": "*i32", "hist_ptr": "*i32",
+            "n": "i32", "ntiles": "i32",
         }, {"SHIFT": 16, "HI_MASK": 0x7F000000, "HAS_SHARED": True, "BLOCK": K.HIST_TILE}
         yield "count", K._tile_count_kernel, {
-            "w_ptr": P(wt), "s_ptr": P(wt), "thr_ptr": "*i32", "ngt_ptr": "*i32", "neq_ptr": "*i32", "n": "i32",
+            "w_ptr": P(wt), "s_ptr": P(wt), "s_row_stride": "i32", "thr_ptr": "*i32", "ngt_ptr": "*i32",
+            "neq_ptr": "*i32", "n": "i32", "ntiles": "i32",
         }, {"HAS_SHARED": wt == "bf16", "BLOCK": K.TILE}
+    yield "digit", K._digit_kernel, {"hist_ptr": "*i32", "prefix_ptr": "*i32", "krem_ptr": "*i32"}, {"SHIFT": 8}
     for vk, vt, ok, ot in ((0, "fp32", 0, "u8"), (1, "i16", 1, "i16"), (2, "fp16", 2, "i32")):
         yield f"compact v{vk} o{ok}", K._compact_kernel, {
-            "w_ptr": "*bf16", "s_ptr": "*bf16", "thr_ptr": "*i32", "take_ptr": "*i32", "start_ptr": "*i32",
-            "val_ptr": P(vt), "off_ptr": P(ot), "n": "i32",
+            "w_ptr": "*bf16", "s_ptr": "*bf16", "s_row_stride": "i32", "thr_ptr": "*i32", "take_ptr": "*i32",
+            "start_ptr": "*i32", "val_ptr": P(vt), "val_stride": "i32", "off_ptr": P(ot), "off_stride": "i32",
+            "n": "i32", "ntiles": "i32",
         }, {"HAS_SHARED": True, "BLOCK_MASK": 255, "VKIND": vk, "OFF_KIND": ok, "BLOCK": K.TILE}
     for ok, ot, om, outk, outt in ((0, "u8", 0xFF, 1, "i16"), (1, "i16", 0xFFFF, 0, "fp32")):
         yield f"decode o{ok} out{outk}", K._decode_kernel, {

@@ -16,7 +16,7 @@ def variants():
         yield f"adamw_hist out{out_kind}", K._adamw_hist_kernel, {
             "p_ptr": "*fp32", "g_ptr": grad_t, "m_ptr": "*fp32", "v_ptr": "*fp32", "out_ptr": out_t,
             "base_ptr": "*bf16" if has_base else "*fp32", "hist_ptr": "*i32", "n": "i32", "ntiles": "i32",
-            **adam_scalars}, {"HAS_BASE": has_base, "OUT_KIND": out_kind, "BLOCK": K.HIST_TILE}
+            **adam_scalars}, {"HAS_BASE": has_base, "OUT_KIND": out_kind, "BLOCK": K.ADAMW_TILE}
     for off_t, om, out_kind, out_t, base_t in (("*u8", 0xFF, 1, "*i16", "*bf16"),
                                                ("*i16", 0xFFFF, 0, "*fp32", "*fp32")):
         yield f"decode_rows out{out_kind}", K._decode_rows_kernel, {

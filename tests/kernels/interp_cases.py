@@ -91,6 +91,23 @@ def main():
     ok = torch.equal(p_auto, p_torch) and torch.equal(d_auto, d_torch)
     failed += not ok
     print(f"codec auto backend: {'ok' if ok else 'MISMATCH'}")
+    # Rows encoded in one set of launches: each row's bytes are its single-tensor encode's.
+    for rows, n, ratio, dt, base in ((3, 2000, 20, BF16, "per-row"), (2, 1500, 10, F32, "one"),
+                                     (3, 777, 8, F16, "none"), (2, 140_000, 300, F32, "per-row"),
+                                     (2, 900, 1.0, BF16, "per-row")):
+        g = torch.Generator().manual_seed(rows * n)
+        w = torch.randn(rows, n, generator=g).to(dt)
+        s = {"per-row": (torch.randn(rows, n, generator=g) * 0.1).to(dt), "one": torch.randn(n, generator=g).to(dt),
+             "none": None}[base]
+        codec = M.SharedResidualCodec(ratio, use_shared=s is not None, backend="triton")
+        batch = codec.encode_batch(w, s)
+        one = torch.cat([codec.encode(w[r], None if s is None else (s if s.dim() == 1 else s[r]))
+                         for r in range(rows)])
+        ref = M.SharedResidualCodec(ratio, use_shared=s is not None, backend="torch").encode_batch(w, s)
+        ok = torch.equal(batch, one) and torch.equal(batch, ref)
+        failed += not ok
+        print(f"encode_batch rows={rows} n={n} {ratio}x {dt} base={base} "
+              f"{codec.layout(n, dt).scheme.name}: {'ok' if ok else 'MISMATCH'}")
     print("FAILED" if failed else "ALL OK")
     return 1 if failed else 0
 

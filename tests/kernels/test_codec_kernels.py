@@ -97,3 +97,27 @@ def test_kth_largest_is_exact_including_when_the_sample_misleads(case, monkeypat
     assert got == real_topk(x, k).values[-1]
     full = n in calls
     assert full == (case in ("sample_misleads", "k_large"))  # the fast path ran where it could
+
+
+def test_rows_encode_checks_shapes_and_equals_one_encode_per_row():
+    from megatron_hybridep.runtime.compression import SharedResidualCodec
+
+    torch.manual_seed(3)
+    rows, n, k = 3, 5000, 50
+    w, s = torch.randn(rows, n), torch.randn(rows, n)
+    v, o, c = (torch.empty(rows, k), torch.empty(rows, k, dtype=torch.uint8),
+               torch.empty(rows, C._nblocks(n, 8), dtype=torch.uint16))
+    C.residual_topk_encode_rows(w, s, k, 8, v, o, c, backend="torch")
+    for r in range(rows):
+        one = _bufs(n, k, 8)
+        C.residual_topk_encode(w[r], s[r], k, 8, *one, backend="torch")
+        assert all(torch.equal(a, b) for a, b in zip(one, (v[r], o[r], c[r]), strict=True))
+    with pytest.raises(ValueError, match="shared must be"):
+        C.residual_topk_encode_rows(w, s[:2], k, 8, v, o, c)
+    with pytest.raises(ValueError, match="values must be"):
+        C.residual_topk_encode_rows(w, s, k, 8, v[:2], o, c)
+    with pytest.raises(ValueError, match="first_hists"):
+        C.residual_topk_encode_rows(w, s, k, 8, v, o, c, first_hists=torch.zeros(rows, 255, dtype=torch.int32))
+    codec = SharedResidualCodec(20)
+    assert torch.equal(codec.encode_batch(list(w), s), codec.encode_batch(w, s))
+    assert torch.equal(codec.encode_batch(w, s[0]), torch.cat([codec.encode(x, s[0]) for x in w]))
