@@ -214,17 +214,9 @@ def _radix_select(w: torch.Tensor, s: torch.Tensor | None, s_row_stride: int, k:
     return prefix, krem
 
 
-def residual_topk_encode_rows(
-    weight: torch.Tensor,
-    shared: torch.Tensor | None,
-    k: int,
-    block_bits: int,
-    values: torch.Tensor,
-    offsets: torch.Tensor,
-    counts: torch.Tensor,
-    first_hists: torch.Tensor | None = None,
-) -> None:
-    """Every row of weight [R, n] encoded at once (kernels.codec.residual_topk_encode_rows)."""
+def residual_topk_encode_rows(weight, shared, k: int, block_bits: int, values, offsets, counts,
+                              first_hists=None) -> None:
+    """Every row of weight [R, n] encoded at once (arguments: kernels.codec.residual_topk_encode_rows)."""
     rows, n = weight.shape
     w = weight.contiguous()
     s = None if shared is None else shared.contiguous()

@@ -188,18 +188,9 @@ def residual_topk_encode(
                               first_hists=None if first_hist is None else first_hist.reshape(1, -1))
 
 
-def residual_topk_encode_rows(
-    weight: torch.Tensor,
-    shared: torch.Tensor | None,
-    k: int,
-    block_bits: int,
-    values: torch.Tensor,
-    offsets: torch.Tensor,
-    counts: torch.Tensor,
-    *,
-    backend: Backend = "auto",
-    first_hists: torch.Tensor | None = None,
-) -> None:
+def residual_topk_encode_rows(weight: torch.Tensor, shared: torch.Tensor | None, k: int, block_bits: int,
+                              values: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor, *,
+                              backend: Backend = "auto", first_hists: torch.Tensor | None = None) -> None:
     """:func:`residual_topk_encode` of every row of ``weight`` [R, n], each row on its own.
 
     shared: [R, n] (one base per row), [n] (one for all rows) or None. values / offsets / counts:
