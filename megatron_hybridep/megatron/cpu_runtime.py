@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import threading
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from megatron_hybridep.runtime.context import CpuPatches, process_context
 from megatron_hybridep.runtime.logs import warn_once
 
 log = logging.getLogger(__name__)
@@ -538,12 +538,12 @@ def _owner(patch: _FunctionPatch) -> tuple[Any, str]:
         owner = getattr(owner, part)
     return owner, name
 
-_lock = threading.Lock()
-_saved: list[tuple[Any, str, Any]] = []  # (module, attr, original) in patch order
+def _patches() -> CpuPatches:
+    return process_context().cpu_patches
 
 
 def is_enabled() -> bool:
-    return bool(_saved)
+    return bool(_patches().saved)
 
 
 def enable(force: bool = False) -> bool:
@@ -551,7 +551,9 @@ def enable(force: bool = False) -> bool:
 
     A no-op (returns False) when CUDA is available, unless ``force`` (tests only).
     """
-    with _lock:
+    patches = _patches()
+    with patches.lock:
+        _saved = patches.saved
         if _saved:
             return True
         if torch.cuda.is_available() and not force:
@@ -580,9 +582,10 @@ def enable(force: bool = False) -> bool:
 
 def disable() -> None:
     """Undo enable() (tests use it to check the patches are reversible)."""
-    with _lock:
-        while _saved:
-            module, attr, original = _saved.pop()
+    patches = _patches()
+    with patches.lock:
+        while patches.saved:
+            module, attr, original = patches.saved.pop()
             setattr(module, attr, original)
         _reset_rng_tracker()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.topology import Topology
-from megatron_hybridep.runtime.groups import PlanGroups, build_plan_groups, validate_for_job
+from megatron_hybridep.runtime.groups import GroupCache, PlanGroups, build_plan_groups, validate_for_job
 from megatron_hybridep.runtime.instrument import Stats
 from megatron_hybridep.runtime.migration import MigrationConfig
 
@@ -59,7 +60,7 @@ class HybridEPRuntime:
         self.ep_group = ep_group
         self.migration = migration or MigrationConfig()
         self.step = 0
-        self.groups: list[PlanGroups] = build_plan_groups(self.plans, ep_group)
+        self.groups: list[PlanGroups] = build_plan_groups(self.plans, ep_group, process_context().group_cache)
         self.active = active
         self.prefetch = prefetch
         self.stats = Stats()
@@ -235,15 +236,26 @@ class Heartbeat:
 
 
 @dataclasses.dataclass
+class CpuPatches:
+    """What megatron/cpu_runtime.py replaced in Megatron-Core's modules, to undo it: (owner, attribute,
+    original) in patch order."""
+
+    saved: list[tuple[Any, str, Any]] = dataclasses.field(default_factory=list)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+@dataclasses.dataclass
 class ProcessContext:
     """All of this process's mutable runtime state, in one object: the HybridEP runtime (None
-    without hybridep), the measurement (None when not measuring), the one MoE-layer counter and the
-    launcher's heartbeat."""
+    without hybridep), the measurement (None when not measuring), the one MoE-layer counter, the
+    launcher's heartbeat, the process groups built for plans and the CPU runtime's patches of Megatron."""
 
     runtime: HybridEPRuntime | None = None
     measuring: Measuring | None = None
     moe_layers: int = 0  # MoE layers of the model being built: their statistics' keys
     heartbeat: Heartbeat = dataclasses.field(default_factory=Heartbeat)
+    group_cache: GroupCache = dataclasses.field(default_factory=GroupCache)  # outlives runtimes (groups.py)
+    cpu_patches: CpuPatches = dataclasses.field(default_factory=CpuPatches)  # Megatron on CPU (cpu_runtime.py)
 
     def set_runtime(self, runtime: HybridEPRuntime | None) -> None:
         self.runtime = runtime

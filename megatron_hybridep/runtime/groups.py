@@ -12,35 +12,36 @@ asks for the same ranks in the same order, so hits and misses, and the new_group
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from megatron_hybridep.plan.plan import Plan, PlanError
 
-_cache: dict[tuple[int, ...], dist.ProcessGroup] = {}
-_cache_world: list[dist.ProcessGroup | None] = [None]  # the world group the cache belongs to
-_created = [0]
 
+@dataclass
+class GroupCache:
+    """The process groups this module created, by their global ranks, for the life of one world group
+    (module doc). One per process, held by its ProcessContext (runtime/context.py), so that runtimes
+    rebuilt in the process reuse them."""
 
-def group_of(ranks: tuple[int, ...]) -> dist.ProcessGroup:
-    """The process group of these global ranks, created on the first request (collective over the
-    world: call on every rank with the same ranks in the same order)."""
-    from torch.distributed import distributed_c10d as c10d
+    groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+    world: dist.ProcessGroup | None = None  # the world group the cached groups belong to
+    created: int = 0  # groups created in this process (the soak test's count)
 
-    world = c10d._get_default_group()
-    if _cache_world[0] is not world:  # a new world (destroyed and initialised again): old groups are gone
-        _cache.clear()
-        _cache_world[0] = world
-    if ranks not in _cache:  # (a rank outside the group gets a placeholder, cached the same way)
-        _cache[ranks] = dist.new_group(list(ranks))
-        _created[0] += 1
-    return _cache[ranks]
+    def group_of(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
+        """The process group of these global ranks, created on the first request (collective over the
+        world: call on every rank with the same ranks in the same order)."""
+        from torch.distributed import distributed_c10d as c10d
 
-
-def groups_created() -> int:
-    """How many process groups this module has created in this process (the soak test's count)."""
-    return _created[0]
+        world = c10d._get_default_group()
+        if self.world is not world:  # a new world (destroyed and initialised again): old groups are gone
+            self.groups.clear()
+            self.world = world
+        if ranks not in self.groups:  # (a rank outside the group gets a placeholder, cached the same way)
+            self.groups[ranks] = dist.new_group(list(ranks))
+            self.created += 1
+        return self.groups[ranks]
 
 
 @dataclass(frozen=True)
@@ -104,9 +105,9 @@ def validate_for_job(plan: Plan, ep_size: int, num_experts: int) -> None:
     check_grid_order(plan)
 
 
-def build_plan_groups(plans: list[Plan], ep_group: dist.ProcessGroup) -> list[PlanGroups]:
-    """Domain and rail groups for each plan, created unless cached (collective over the world, call on
-    all ranks with the same plans in the same order). Returns this rank's PlanGroups per plan."""
+def build_plan_groups(plans: list[Plan], ep_group: dist.ProcessGroup, cache: GroupCache) -> list[PlanGroups]:
+    """Domain and rail groups for each plan, created unless in ``cache`` (collective over the world, call
+    on all ranks with the same plans in the same order). Returns this rank's PlanGroups per plan."""
     ep_ranks = dist.get_process_group_ranks(ep_group)
     ep_size, me = len(ep_ranks), dist.get_rank()
     for plan in plans:
@@ -124,7 +125,7 @@ def build_plan_groups(plans: list[Plan], ep_group: dist.ProcessGroup) -> list[Pl
                     ranks = tuple(ep[i] for i in sorted(local))
                     # new_group is collective even for groups this rank is not in. Size-1 groups
                     # too: Megatron's dispatcher wants a real group for its EP argument.
-                    group = group_of(ranks)
+                    group = cache.group_of(ranks)
                     if me in ranks:
                         mine[kind] = (group, ranks)
         ep_rank = ep_ranks.index(me)

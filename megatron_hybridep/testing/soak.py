@@ -35,12 +35,12 @@ def resources() -> dict[str, int]:
     and Megatron's) and those runtime/groups.py created."""
     from torch.distributed import distributed_c10d as c10d
 
-    from megatron_hybridep.runtime.groups import groups_created
+    from megatron_hybridep.runtime.context import process_context
 
     with open("/proc/self/status") as f:
         rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     return {"rss_kb": rss, "threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd")),
-            "groups": len(c10d._world.pg_map), "hybridep_groups": groups_created()}
+            "groups": len(c10d._world.pg_map), "hybridep_groups": process_context().group_cache.created}
 
 
 def rank(ctx: Any, argv: Sequence[str], switch_every: int, sample_every: int) -> dict[str, Any]:
