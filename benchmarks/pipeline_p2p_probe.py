@@ -2,8 +2,9 @@
 (plan/pipeline.py one_f_one_b) right, and what does one transfer really take?
 
 One pipeline stage per DC, --ranks-per-dc ranks per stage; every rank runs stage s's op sequence
-of the replay (plan/pipeline.py _program) with sleeps as forward / backward compute and real gloo
-batch_isend_irecv of --bytes per rank and message, as Megatron's P2PCommunicator does on CPU.
+of the replay (plan/pipeline.py _program) with sleeps (or, --busy, matmuls that use a core) as
+forward / backward compute and real gloo batch_isend_irecv of --bytes per rank and message, as
+Megatron's P2PCommunicator does on CPU.
 No Megatron, no model: what is left is the network, gloo and the schedule.
 
     sudo python benchmarks/pipeline_p2p_probe.py --dcs 4 --micro-batches 32     # needs root (testbed)
@@ -35,11 +36,40 @@ from megatron_hybridep.plan.pipeline import _program, one_f_one_b  # noqa: E402
 Message = tuple[str, int, int]  # (kind "a"/"g", boundary, micro-batch)
 
 
-def rank_main(nbytes: int, pp: int, m: int, f: float, b: float) -> None:
+def matmuls_per_s() -> float:
+    """How many 96 x 96 fp32 matmuls one core does per second here (measured alone, by the driver:
+    the ranks contend for the cores, which is the point of --busy)."""
+    import torch
+
+    torch.set_num_threads(1)
+    a = torch.randn(96, 96)
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.3:
+        a @ a
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
+def _busy(per_s: float):
+    """A compute stand-in that uses a core: ``duration * per_s`` small matmuls (``duration`` alone)."""
+    import torch
+
+    torch.set_num_threads(1)
+    a = torch.randn(96, 96)
+
+    def run(duration: float) -> None:
+        for _ in range(int(duration * per_s)):
+            a @ a
+
+    return run
+
+
+def rank_main(nbytes: int, pp: int, m: int, f: float, b: float, busy_per_s: float = 0.0) -> None:
     """One rank: stage s's ops, timed; prints one RESULT line of JSON."""
     import torch
     import torch.distributed as dist
 
+    compute = _busy(busy_per_s) if busy_per_s else time.sleep
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     per_stage = world // pp
@@ -54,7 +84,7 @@ def rank_main(nbytes: int, pp: int, m: int, f: float, b: float) -> None:
     log = []
     for op in _program(s, pp, m):
         if op in ("F", "B"):
-            time.sleep(f if op == "F" else b)  # compute stand-in: the probe is about the network
+            compute(f if op == "F" else b)  # a stand-in: the probe is about the network
             continue
         ops = []
         for side, (kind, _, _) in op:
@@ -110,13 +140,16 @@ def main(argv: list[str] | None = None) -> int:
                    "bench's bench-moe-deep activations at 1024 tokens)")
     p.add_argument("--fwd-s", type=float, default=0.05, help="forward compute per micro-batch (a sleep)")
     p.add_argument("--bwd-s", type=float, default=0.1)
+    p.add_argument("--busy", action="store_true", help="compute with a core (matmuls timed alone) instead of "
+                   "sleeping: ranks then contend for the cores as in a real run")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--busy-per-s", type=float, default=0.0, help=argparse.SUPPRESS)  # the driver's calibration
     args = p.parse_args(argv)
     pp, m = args.dcs, args.micro_batches
     if args.rank_worker:
-        rank_main(args.bytes, pp, m, args.fwd_s, args.bwd_s)
+        rank_main(args.bytes, pp, m, args.fwd_s, args.bwd_s, args.busy_per_s)
         return 0
     if pp < 2:
         p.error("--dcs: a pipeline needs at least 2 stages (one per DC); fix: --dcs 2 or more")
@@ -130,10 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     nominal = args.ranks_per_dc * args.bytes * 8 / (rate * 1e6 * TCP_GOODPUT_FRACTION)
     print("$ " + shlex.join(["python", "benchmarks/pipeline_p2p_probe.py", *(sys.argv[1:] if argv is None else argv)]))
     print(f"# {pp} stages (one per DC) x {args.ranks_per_dc} ranks, {args.rate}, {m} micro-batches, "
-          f"{args.bytes:,} B per rank and message, compute {args.fwd_s}/{args.bwd_s} s; nominal transfer "
+          f"{args.bytes:,} B per rank and message, compute {args.fwd_s}/{args.bwd_s} s "
+          f"({'busy: matmuls' if args.busy else 'sleeping'}); nominal transfer "
           f"{nominal * 1e3:.0f} ms (a boundary's bytes at {TCP_GOODPUT_FRACTION:.1%} of the rate)", flush=True)
+    busy = matmuls_per_s() if args.busy else 0.0
     worker = python_cmd(__file__, "--rank-worker", "--dcs", pp, "--micro-batches", m, "--bytes", args.bytes,
-                        "--fwd-s", args.fwd_s, "--bwd-s", args.bwd_s)
+                        "--fwd-s", args.fwd_s, "--bwd-s", args.bwd_s, "--busy-per-s", busy)
     with Testbed(TestbedConfig(dcs=pp, ranks_per_dc=args.ranks_per_dc, rate_mbit=rate, burst_ms=1)) as tb:
         for run in range(args.repeats):
             res = launch(tb, worker, timeout_s=args.timeout).raise_for_status()

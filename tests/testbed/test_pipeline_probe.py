@@ -35,7 +35,7 @@ def test_effective_transfer_time_runs_from_the_later_post_to_the_receive():
 def test_probe_runs_the_schedule_on_the_testbed(root_host):
     proc, stdout = run_to_end([str(REPO / "benchmarks" / "pipeline_p2p_probe.py"), "--dcs", "3", "--ranks-per-dc", "1",
                                "--rate", "100mbit", "--micro-batches", "4", "--repeats", "1", "--fwd-s", "0.01",
-                               "--bwd-s", "0.02"], 120, "pipeline_p2p_probe")
+                               "--bwd-s", "0.02", "--busy"], 120, "pipeline_p2p_probe")
     assert proc.returncode == 0, stdout[-3000:]
     assert leftovers(f"hep-{proc.pid}") == []
     run = re.search(r"run 1: measured ([\d.]+) s; replay, nominal transfers ([\d.]+) s .*measured transfers ([\d.]+) s",
