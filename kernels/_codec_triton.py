@@ -251,15 +251,8 @@ def residual_topk_encode_rows(weight, shared, k: int, block_bits: int, values, o
         counts.fill_(k)
 
 
-def sparse_residual_decode(
-    base: torch.Tensor | None,
-    values: torch.Tensor,
-    offsets: torch.Tensor,
-    counts: torch.Tensor,
-    block_bits: int,
-    out: torch.Tensor,
-    alpha: float,
-) -> torch.Tensor:
+def sparse_residual_decode(base: torch.Tensor | None, values: torch.Tensor, offsets: torch.Tensor,
+                           counts: torch.Tensor, block_bits: int, out: torch.Tensor, alpha: float) -> torch.Tensor:
     from megatron_hybridep.kernels.codec import absolute_indices
 
     n = out.numel()

@@ -71,15 +71,8 @@ def _nblocks(n: int, block_bits: int) -> int:
     return 1 if block_bits >= 32 else -(-n // (1 << block_bits))
 
 
-def _check_encode(
-    weight: torch.Tensor,
-    shared: torch.Tensor | None,
-    k: int,
-    block_bits: int,
-    values: torch.Tensor,
-    offsets: torch.Tensor,
-    counts: torch.Tensor,
-) -> None:
+def _check_encode(weight: torch.Tensor, shared: torch.Tensor | None, k: int, block_bits: int, values: torch.Tensor,
+                  offsets: torch.Tensor, counts: torch.Tensor) -> None:
     n = weight.numel()
     if block_bits not in OFFSET_DTYPES:
         raise ValueError(f"block_bits must be one of {sorted(OFFSET_DTYPES)}, got {block_bits}")
@@ -123,15 +116,8 @@ def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(x, k, sorted=False).values.min()
 
 
-def residual_topk_encode_torch(
-    weight: torch.Tensor,
-    shared: torch.Tensor | None,
-    k: int,
-    block_bits: int,
-    values: torch.Tensor,
-    offsets: torch.Tensor,
-    counts: torch.Tensor,
-) -> None:
+def residual_topk_encode_torch(weight: torch.Tensor, shared: torch.Tensor | None, k: int, block_bits: int,
+                               values: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor) -> None:
     """Torch reference of :func:`residual_topk_encode` (same arguments)."""
     w = weight.reshape(-1)
     r = w.float()
@@ -160,18 +146,9 @@ def residual_topk_encode_torch(
         counts.copy_(torch.bincount(idx >> block_bits, minlength=counts.numel()))
 
 
-def residual_topk_encode(
-    weight: torch.Tensor,
-    shared: torch.Tensor | None,
-    k: int,
-    block_bits: int,
-    values: torch.Tensor,
-    offsets: torch.Tensor,
-    counts: torch.Tensor,
-    *,
-    backend: Backend = "auto",
-    first_hist: torch.Tensor | None = None,
-) -> None:
+def residual_topk_encode(weight: torch.Tensor, shared: torch.Tensor | None, k: int, block_bits: int,
+                         values: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor, *,
+                         backend: Backend = "auto", first_hist: torch.Tensor | None = None) -> None:
     """Select the top-k of |weight - shared| and write (values, offsets, counts) in place.
 
     weight, shared: same numel (any shape, contiguous); shared None means zeros (plain top-k).
@@ -233,14 +210,8 @@ def absolute_indices(offsets: torch.Tensor, counts: torch.Tensor, block_bits: in
     return torch.repeat_interleave(base, counts.long(), output_size=offsets.numel()) + offsets.long()
 
 
-def _check_decode(
-    base: torch.Tensor | None,
-    values: torch.Tensor,
-    offsets: torch.Tensor,
-    counts: torch.Tensor,
-    block_bits: int,
-    out: torch.Tensor,
-) -> None:
+def _check_decode(base: torch.Tensor | None, values: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor,
+                  block_bits: int, out: torch.Tensor) -> None:
     if block_bits not in OFFSET_DTYPES:
         raise ValueError(f"block_bits must be one of {sorted(OFFSET_DTYPES)}, got {block_bits}")
     if base is not None and base.numel() != out.numel():
@@ -251,15 +222,9 @@ def _check_decode(
         raise ValueError("out must be contiguous")
 
 
-def sparse_residual_decode_torch(
-    base: torch.Tensor | None,
-    values: torch.Tensor,
-    offsets: torch.Tensor,
-    counts: torch.Tensor,
-    block_bits: int,
-    out: torch.Tensor,
-    alpha: float = 1.0,
-) -> torch.Tensor:
+def sparse_residual_decode_torch(base: torch.Tensor | None, values: torch.Tensor, offsets: torch.Tensor,
+                                 counts: torch.Tensor, block_bits: int, out: torch.Tensor,
+                                 alpha: float = 1.0) -> torch.Tensor:
     """Torch reference of :func:`sparse_residual_decode` (same arguments).
 
     One dense copy of base, then O(k) work on the kept entries only: every output element is
@@ -280,17 +245,9 @@ def sparse_residual_decode_torch(
     return out
 
 
-def sparse_residual_decode(
-    base: torch.Tensor | None,
-    values: torch.Tensor,
-    offsets: torch.Tensor,
-    counts: torch.Tensor,
-    block_bits: int,
-    out: torch.Tensor,
-    alpha: float = 1.0,
-    *,
-    backend: Backend = "auto",
-) -> torch.Tensor:
+def sparse_residual_decode(base: torch.Tensor | None, values: torch.Tensor, offsets: torch.Tensor,
+                           counts: torch.Tensor, block_bits: int, out: torch.Tensor, alpha: float = 1.0, *,
+                           backend: Backend = "auto") -> torch.Tensor:
     """out = base + alpha * scatter(values at offsets/counts); base None = zeros; base may be
     ``out`` itself (in-place accumulate; other overlaps are not supported).
 
