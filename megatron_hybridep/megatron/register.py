@@ -23,7 +23,12 @@ _SPEC_MODULES = ("megatron.core.models.gpt.moe_module_specs",)
 
 
 def register() -> None:
-    """Make ``moe_token_dispatcher_type='hybridep'`` selectable. Idempotent."""
+    """Make ``moe_token_dispatcher_type='hybridep'`` selectable. Idempotent.
+
+    Rebinds ``MoELayer`` in Megatron's MoE spec module to HybridEPMoELayer (for specs built by
+    upstream code such as pretrain_gpt.py) and installs the parameter-version hook that lets
+    borrowed copies see bf16/fp16 optimizer steps. Raises if megatron-core is outside the tested
+    range (megatron/compat.py)."""
     check_megatron_version()
     from megatron_hybridep.megatron import param_versions
     from megatron_hybridep.megatron.moe_layer import HybridEPMoELayer
@@ -39,7 +44,20 @@ def setup(plans: Sequence[Plan], ep_group: dist.ProcessGroup | None = None, acti
           migration: MigrationConfig | None = None) -> HybridEPRuntime:
     """Validate the plans against this job (and the model's expert count, if given) and build
     their process groups (collective: call on every rank, after initialize_model_parallel, before
-    building the model). Every check runs before the first collective."""
+    building the model). Every check runs before the first collective.
+
+    Args:
+        plans: the prebuilt plans (plan/plan.py), every one for Megatron's EP size; the scheduler
+            may switch between them at iteration boundaries.
+        ep_group: the expert-parallel group (default: Megatron's).
+        active: index of the plan the first iteration runs.
+        prefetch: start layer l + 1's expert gather while layer l computes.
+        num_experts: the model's expert count, checked against every plan.
+        migration: codec settings (compression ratios, borrowed-copy lifetime); default exact.
+
+    Returns:
+        The process's HybridEPRuntime, also held by its ProcessContext (runtime/context.py).
+    """
     if num_experts is not None:
         for plan in plans:
             if plan.num_experts != num_experts:

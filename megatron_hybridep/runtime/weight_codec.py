@@ -344,7 +344,18 @@ class SharedResidualCodec:
         ``first_hists``: [E, 256] int32 from kernels.fused_codec.adamw_step_hist (the optimizer step
         fused with the encode's first pass; it must have used the same base as ``shared``).
         Every expert is encoded in one set of kernel launches (kernels.codec.residual_topk_encode_rows);
-        each slot holds the bytes :meth:`encode` gives that expert."""
+        each slot holds the bytes :meth:`encode` gives that expert.
+
+        Args:
+            weights: [E, ...] float32 / bfloat16 / float16 (or a list of E same-sized tensors).
+            shared: [...] (one base for all) or [E, ...] (one per expert), the weights' dtype; None
+                only for DENSE layouts or a codec built with use_shared=False.
+            out: uint8 of E * nbytes elements to write into (e.g. an all-gather's input slot).
+            first_hists: int32 [E, 256] or None.
+
+        Returns:
+            uint8 [E * nbytes] (``out`` when given).
+        """
         if not isinstance(weights, torch.Tensor):
             if not weights:
                 raise ValueError("no experts to encode")
