@@ -2,7 +2,7 @@
 (plan/pipeline.py one_f_one_b) right, and what does one transfer really take?
 
 One pipeline stage per DC, --ranks-per-dc ranks per stage; every rank runs stage s's op sequence
-of the replay (plan/pipeline.py _program) with sleeps (or, --busy, matmuls that use a core) as
+of the replay (plan/pipeline.py stage_program) with sleeps (or, --busy, matmuls that use a core) as
 forward / backward compute and real gloo batch_isend_irecv of --bytes per rank and message, as
 Megatron's P2PCommunicator does on CPU.
 No Megatron, no model: what is left is the network, gloo and the schedule.
@@ -31,7 +31,7 @@ from collections import defaultdict
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megatron_hybridep.plan.pipeline import _program, one_f_one_b  # noqa: E402
+from megatron_hybridep.plan.pipeline import one_f_one_b, stage_program  # noqa: E402
 
 Message = tuple[str, int, int]  # (kind "a"/"g", boundary, micro-batch)
 
@@ -82,7 +82,7 @@ def rank_main(nbytes: int, pp: int, m: int, f: float, b: float, busy_per_s: floa
     dist.barrier()
     t0 = time.perf_counter()
     log = []
-    for op in _program(s, pp, m):
+    for op in stage_program(s, pp, m):
         if op in ("F", "B"):
             compute(f if op == "F" else b)  # a stand-in: the probe is about the network
             continue

@@ -553,8 +553,8 @@ def enable(force: bool = False) -> bool:
     """
     patches = _patches()
     with patches.lock:
-        _saved = patches.saved
-        if _saved:
+        saved = patches.saved
+        if saved:
             return True
         if torch.cuda.is_available() and not force:
             log.debug("cpu_runtime.enable(): CUDA is available, Megatron left untouched")
@@ -569,12 +569,12 @@ def enable(force: bool = False) -> bool:
             except ImportError as exc:  # optional module in this megatron-core version
                 warn_once(log, "cpu_runtime: %s not importable (%s); its CUDA paths stay unpatched", name, exc)
                 continue
-            _saved.append((module, "torch", module.torch))
+            saved.append((module, "torch", module.torch))
             module.torch = shim
         for patch in _FUNCTION_PATCHES:
             owner, name = _owner(patch)
             original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-            _saved.append((owner, name, original))
+            saved.append((owner, name, original))
             setattr(owner, name, patch.replacement(original))
         _reset_rng_tracker()
         return True

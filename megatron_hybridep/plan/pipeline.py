@@ -90,7 +90,7 @@ def one_f_one_b(pp: int, m: int, f: float, b: float, fwd: Sequence[float] = (), 
     bwd = list(bwd) or [0.0] * (pp - 1)
     if len(fwd) != pp - 1 or len(bwd) != pp - 1:
         raise ValueError(f"need {pp - 1} boundary times, got {len(fwd)} / {len(bwd)}")
-    progs = [_program(s, pp, m) for s in range(pp)]
+    progs = [stage_program(s, pp, m) for s in range(pp)]
     clock, pc = [0.0] * pp, [0] * pp
     posted: dict[tuple, float] = {}  # (message, side) -> time its op was posted
     done: dict[tuple, float] = {}    # message -> time it arrived
@@ -125,7 +125,7 @@ def one_f_one_b(pp: int, m: int, f: float, b: float, fwd: Sequence[float] = (), 
     return max(clock)
 
 
-def _program(s: int, pp: int, m: int) -> list:
+def stage_program(s: int, pp: int, m: int) -> list:
     """Stage s's ops in Megatron's order; a p2p op is a tuple of (side, (kind, boundary, micro-batch));
     sends off the pipeline's ends are dropped, as Megatron's are no-ops there."""
     def p2p(*items: tuple[str, str, int]) -> tuple:
@@ -187,4 +187,4 @@ def bubble_fraction(pp: int, m: int, virtual: int = 1) -> float:
 
 
 __all__ = ["PipelineTime", "Sends", "boundary_sends", "bubble_fraction", "interleaved", "one_f_one_b",
-           "schedule_time"]
+           "schedule_time", "stage_program"]
