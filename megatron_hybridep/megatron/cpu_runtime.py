@@ -96,9 +96,15 @@ class _CudaOnCpu(types.SimpleNamespace):
     def current_device() -> str:
         return "cpu"
 
+    # One device per rank, the CPU: megatron.training's initialize builds the model-parallel groups
+    # and seeds the RNG tracker only when it counts a device.
     @staticmethod
     def device_count() -> int:
-        return 0
+        return 1
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        return None
 
     @staticmethod
     def current_stream(device: Any = None) -> _NullStream:
@@ -530,6 +536,18 @@ _FUNCTION_PATCHES: tuple[_FunctionPatch, ...] = (
 )
 
 
+def _module_shims() -> dict[str, str]:
+    from megatron_hybridep.megatron import cpu_training
+
+    return _MODULE_SHIMS | cpu_training.MODULE_SHIMS
+
+
+def _function_patches() -> tuple[_FunctionPatch, ...]:
+    from megatron_hybridep.megatron import cpu_training
+
+    return _FUNCTION_PATCHES + tuple(_FunctionPatch(*entry) for entry in cpu_training.FUNCTION_PATCHES)
+
+
 def _owner(patch: _FunctionPatch) -> tuple[Any, str]:
     """(object holding the attribute, attribute name) for a patch's 'attr' or 'Class.method'."""
     owner = importlib.import_module(patch.module)
@@ -563,7 +581,7 @@ def enable(force: bool = False) -> bool:
 
         check_megatron_version()
         shim = _TorchOnCpu()
-        for name in _MODULE_SHIMS:
+        for name in _module_shims():
             try:
                 module = importlib.import_module(name)
             except ImportError as exc:  # optional module in this megatron-core version
@@ -571,7 +589,7 @@ def enable(force: bool = False) -> bool:
                 continue
             saved.append((module, "torch", module.torch))
             module.torch = shim
-        for patch in _FUNCTION_PATCHES:
+        for patch in _function_patches():
             owner, name = _owner(patch)
             original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
             saved.append((owner, name, original))
@@ -599,4 +617,4 @@ def _reset_rng_tracker() -> None:
 
 def patched_modules() -> dict[str, str]:
     """Module -> upstream functions affected (for docs and the closing note)."""
-    return dict(_MODULE_SHIMS) | {f"{p.module}.{p.attr}": p.upstream for p in _FUNCTION_PATCHES}
+    return _module_shims() | {f"{p.module}.{p.attr}": p.upstream for p in _function_patches()}

@@ -52,9 +52,11 @@ def _masked_loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.T
 
 def _gpu_forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
     batch = next(data_iterator)
-    tokens, labels = batch["tokens"].cuda(), batch["labels"].cuda()
-    loss_mask = batch["loss_mask"].cuda()
-    position_ids = batch["position_ids"].cuda()
+    # the model's device: the current GPU (.cuda()), or the CPU under cpu_runtime (CPU tests)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
+    loss_mask = batch["loss_mask"].to(device)
+    position_ids = batch["position_ids"].to(device)
     output = model(tokens, position_ids, None, labels=labels)
     return output, partial(_masked_loss, loss_mask)
 
