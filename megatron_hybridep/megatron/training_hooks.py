@@ -6,7 +6,11 @@ path installs the hooks; the CPU loop uses the helpers. Checked against megatron
 from __future__ import annotations
 
 import argparse
+import copy
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 
 def build_tokenizer(args: argparse.Namespace) -> Any:
@@ -27,15 +31,19 @@ def sharded_state_dict_metadata(args: argparse.Namespace) -> dict[str, Any]:
 
 def after_each_step() -> None:
     """Megatron's loop has no post-step callback: wrap its train_step (looked up by name in train())
-    so the runtime learns the step (shared-expert rule, encode/prefetch of layer 0) and its scheduler
-    decides once per iteration, after every optimizer of a chained optimizer has stepped; before the
-    step, borrowed gradients are tied to Megatron's no_sync/finalize (grad_sync.py). Checked
+    so the runtime learns each optimizer step. At its end the scheduler decides (after every optimizer
+    of a chained optimizer has stepped) and the runtime's post-step (shared-expert rule, encode,
+    layer 0's gather) becomes due; it runs at the start of the next train_step (or evaluation), so
+    a checkpoint Megatron saves in between sees nothing in flight, as the CPU loop saves. Before
+    the step, borrowed gradients are tied to Megatron's no_sync/finalize (grad_sync.py). Checked
     against 0.19.2 (train_step(forward_step_func, data_iterator, model, optimizer,
-    opt_param_scheduler, config, ...))."""
+    opt_param_scheduler, config, ...), evaluate(forward_step_func, data_iterator, model, ...))."""
     from megatron.training import training
 
     from megatron_hybridep.runtime.context import process_context
 
+    if not getattr(training.evaluate, "_hybridep", False):
+        training.evaluate = _evaluate_after_the_post_step(training.evaluate)
     inner = training.train_step
     if getattr(inner, "_hybridep", False):
         return
@@ -44,6 +52,9 @@ def after_each_step() -> None:
         runtime = process_context().runtime
         config = kwargs.get("config", args[5] if len(args) > 5 else None)
         model = kwargs.get("model", args[2] if len(args) > 2 else None)
+        if runtime is not None:
+            runtime.boundary = None
+            _run_due_post_step(runtime)
         if runtime is not None and config is not None and model is not None:
             from megatron_hybridep.megatron import grad_sync
 
@@ -56,11 +67,76 @@ def after_each_step() -> None:
                 if decision is not None and decision.switched:
                     print(f"hybridep: plan switch -> {runtime.plan.label}: {decision.replan.reason}", flush=True)
             runtime.stats.reset()  # per-iteration statistics (the CPU loop's log does this)
-            runtime.after_optimizer_step()
+            runtime.post_step_due = True
         return out
 
     train_step._hybridep = True  # type: ignore[attr-defined]
     training.train_step = train_step
+
+
+def _evaluate_after_the_post_step(evaluate: Callable[..., Any]) -> Callable[..., Any]:
+    """An evaluation's forward needs the post-step the last optimizer step owes. train() evaluates
+    before it saves: keep the state a save must see (copied: the post-step updates the codec's
+    tensors in place)."""
+    from megatron_hybridep.runtime.context import process_context
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        runtime = process_context().runtime
+        if runtime is not None and runtime.post_step_due:
+            runtime.boundary = copy.deepcopy(runtime.state_dict())
+            _run_due_post_step(runtime)
+        return evaluate(*args, **kwargs)
+
+    wrapped._hybridep = True  # type: ignore[attr-defined]
+    return wrapped
+
+
+def _run_due_post_step(runtime: Any) -> None:
+    if runtime.post_step_due:
+        runtime.post_step_due = False
+        runtime.after_optimizer_step()
+
+
+def runtime_in_checkpoints(write: Callable[[str, int, dict[str, Any]], None],
+                           read: Callable[[str, Any], bool]) -> None:
+    """Megatron's save/load have no hook for extra state: wrap save_checkpoint and load_checkpoint as
+    megatron.training.training looks them up, so the HybridEP runtime's state goes into its own part
+    of each checkpoint directory (``write(iteration_dir, iteration, state)``, after Megatron's own
+    save) and comes back after Megatron's load (``read(iteration_dir, runtime)``: restored or not;
+    then its post-step is replayed before the first forward, as the saved run ran it after saving).
+    Checked against 0.19.2 (save_checkpoint(iteration, model, optimizer, ..., non_persistent_ckpt=),
+    load_checkpoint(...) -> (iteration, flops))."""
+    from megatron.training import checkpointing, get_args, training
+
+    from megatron_hybridep.runtime.context import process_context
+
+    save, load = training.save_checkpoint, training.load_checkpoint
+    if getattr(save, "_hybridep", False):
+        return
+
+    def save_checkpoint(iteration: int, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        out = save(iteration, model, optimizer, *args, **kwargs)
+        runtime = process_context().runtime
+        # not for Megatron's conversion/upcycling saves (no optimizer) or non-persistent ones
+        if runtime is not None and optimizer is not None and not kwargs.get("non_persistent_ckpt"):
+            state = runtime.boundary if runtime.boundary is not None else runtime.state_dict()
+            write(checkpointing.get_checkpoint_name(get_args().save, iteration, return_base_dir=True),
+                  iteration, state)
+        return out
+
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        out = load(*args, **kwargs)
+        runtime, margs = process_context().runtime, get_args()
+        if runtime is not None and out[0] > 0 and margs.load and kwargs.get("load_arg", "load") == "load":
+            path = checkpointing.get_checkpoint_name(margs.load, out[0], return_base_dir=True)
+            runtime.post_step_due = read(path, runtime)
+            if not runtime.post_step_due and torch.distributed.get_rank() == 0:
+                print(f"hybridep: {path} holds no runtime state for this run (alltoall, older or another plan); "
+                      "borrowed-expert copies and codec state start fresh", flush=True)
+        return out
+
+    save_checkpoint._hybridep = True  # type: ignore[attr-defined]
+    training.save_checkpoint, training.load_checkpoint = save_checkpoint, load_checkpoint
 
 
 def hybridep_in_every_parser() -> None:

@@ -75,6 +75,12 @@ class HybridEPRuntime:
         # set by grad_sync.install under --overlap-param-gather: finishes the all-gather of the owners'
         # expert parameters, which the distributed optimizer's step leaves to the next forward
         self.expert_param_sync: Callable[[], None] | None = None
+        # Megatron's own loop (megatron/training_hooks.py) runs after_optimizer_step before the next
+        # forward instead of right after the optimizer step, so that a checkpoint saved in between sees
+        # nothing in flight: True while it is owed. ``boundary``: the state_dict there, kept when an
+        # evaluation had to run it first and a save may follow.
+        self.post_step_due = False
+        self.boundary: dict[str, Any] | None = None
 
     @property
     def plan(self) -> Plan:

@@ -71,10 +71,7 @@ def save(args: argparse.Namespace, iteration: int, model: Any, optimizer: Any, s
         os.makedirs(partial)
     dist.barrier()
     dist_checkpointing.save(_sharded_state(args, model, optimizer, scheduler, iteration), partial)
-    os.makedirs(os.path.join(partial, EXTRA), exist_ok=True)  # after: Megatron warns about a non-empty directory
-    extra = {"iteration": iteration, "rng": _rng_state(),
-             "runtime": runtime.state_dict() if runtime is not None else None}
-    torch.save(extra, _extra_file(partial, dist.get_rank()))
+    save_extra(partial, iteration, runtime.state_dict() if runtime is not None else None)
     _test_hook_die_in_save(iteration)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -89,6 +86,15 @@ def save(args: argparse.Namespace, iteration: int, model: Any, optimizer: Any, s
         os.replace(tmp, os.path.join(args.save, TRACKER))
     dist.barrier()
     return path
+
+
+def save_extra(path: str, iteration: int, runtime_state: dict[str, Any] | None) -> None:
+    """This rank's own part of the checkpoint in directory ``path`` (after Megatron's shards: it warns
+    about a non-empty directory): the RNG and the runtime's ``state_dict`` (None: alltoall). Megatron's
+    own loop writes it too (megatron/training_hooks.py), so either loop reads the other's."""
+    os.makedirs(os.path.join(path, EXTRA), exist_ok=True)
+    extra = {"iteration": iteration, "rng": _rng_state(), "runtime": runtime_state}
+    torch.save(extra, _extra_file(path, dist.get_rank()))
 
 
 def _test_hook_die_in_save(iteration: int) -> None:
@@ -128,16 +134,20 @@ def load(args: argparse.Namespace, model: Any, optimizer: Any, scheduler: Any, r
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
-    restored = _load_extra(_extra_file(_dir(args.load, iteration), dist.get_rank()), runtime)
+    restored = load_extra(_dir(args.load, iteration), runtime)
     torch.distributed.barrier()
     return int(state["iteration"]), restored
 
 
-def _load_extra(path: str, runtime: Any) -> bool:
+def load_extra(path: str, runtime: Any, rng: bool = True) -> bool:
+    """Restore this rank's part of the checkpoint in directory ``path`` into ``runtime`` (and the RNG,
+    unless the loop restores its own: Megatron's); whether the runtime's state was restored."""
+    path = _extra_file(path, dist.get_rank())
     if not os.path.exists(path):  # written without it (older checkpoints): RNG and runtime start fresh
         return False
     extra = torch.load(path, map_location="cpu", weights_only=True)
-    _set_rng_state(extra["rng"])
+    if rng:
+        _set_rng_state(extra["rng"])
     if runtime is None or extra["runtime"] is None:  # alltoall on either side: Megatron's part is all there is
         return False
     return runtime.load_state_dict(extra["runtime"])

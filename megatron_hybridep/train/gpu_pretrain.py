@@ -87,10 +87,13 @@ def pretrain(args: argparse.Namespace) -> int:
 
     from megatron_hybridep.megatron import register, training_hooks
     from megatron_hybridep.megatron.compat import check_transformer_impl
+    from megatron_hybridep.train import checkpoint
 
     check_transformer_impl(args.transformer_impl)  # before Megatron initialises anything
     register()
     training_hooks.after_each_step()
+    training_hooks.runtime_in_checkpoints(checkpoint.save_extra,
+                                          lambda path, runtime: checkpoint.load_extra(path, runtime, rng=False))
     training_hooks.hybridep_in_every_parser()
     training_hooks.use_prebuilt_dataset_helpers()
     _datasets_provider.is_distributed = True
