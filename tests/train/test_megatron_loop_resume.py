@@ -60,13 +60,22 @@ def _run(argv: list[str]) -> list[tuple[list[float], dict[str, torch.Tensor]]]:
     return run_ranks(_megatron_loop, 2, argv, timeout=120)
 
 
-def test_megatron_loop_resumes_a_compressed_hybridep_run_bit_for_bit(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted() -> list[tuple[list[float], dict[str, torch.Tensor]]]:
+    return _run(FLAGS)
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    # train() evaluates before it saves: the evaluation runs the post-step, the save sees the state before it
+    ["--eval-interval", str(STOP), "--eval-iters", "1"],
+], ids=["save", "evaluate-then-save"])
+def test_megatron_loop_resumes_a_compressed_hybridep_run_bit_for_bit(uninterrupted, extra, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    full = _run(FLAGS)
-    stopped = _run([*FLAGS, "--save", ckpt, "--save-interval", "100", "--exit-interval", str(STOP)])
+    stopped = _run([*FLAGS, *extra, "--save", ckpt, "--save-interval", "100", "--exit-interval", str(STOP)])
     assert all(len(losses) == STOP for losses, _ in stopped) and latest_iteration(ckpt) == STOP
-    resumed = _run([*FLAGS, "--load", ckpt])
-    for (full_losses, full_params), (losses, params) in zip(full, resumed, strict=True):
+    resumed = _run([*FLAGS, *extra, "--load", ckpt])
+    for (full_losses, full_params), (losses, params) in zip(uninterrupted, resumed, strict=True):
         assert len(losses) == ITERS - STOP and not any(math.isnan(x) for x in losses)
         assert losses == full_losses[STOP:], f"resumed {losses} vs uninterrupted {full_losses[STOP:]}"
         assert params.keys() == full_params.keys()
