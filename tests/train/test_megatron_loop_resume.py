@@ -5,6 +5,7 @@ uninterrupted run bit for bit (issue 28): the runtime's post-step is deferred to
 train_step, so Megatron's save sees nothing in flight, and its state is saved in its own part."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -18,10 +19,11 @@ pytestmark = pytest.mark.exactness
 ITERS, STOP = 6, 4
 # float32 (the codec has no float64 values); the shared expert is refreshed every 2 steps: one
 # refresh falls on the save (4), one after it
-FLAGS = [*TINY, "--train-iters", str(ITERS), "--hybridep-nproc", "2", "--expert-model-parallel-size", "2",
-         "--moe-token-dispatcher-type", "hybridep", "--hybridep-compression-ratio", "10",
-         "--hybridep-grad-compression-ratio", "10", "--hybridep-shared-refresh-interval", "2",
-         "--mock-data", "--num-workers", "0", "--eval-interval", "1000", "--eval-iters", "0"]
+BASE = [*TINY, "--train-iters", str(ITERS), "--hybridep-nproc", "2", "--expert-model-parallel-size", "2",
+        "--mock-data", "--num-workers", "0", "--eval-interval", "1000", "--eval-iters", "0"]
+HYBRIDEP = ["--moe-token-dispatcher-type", "hybridep", "--hybridep-compression-ratio", "10",
+            "--hybridep-grad-compression-ratio", "10", "--hybridep-shared-refresh-interval", "2"]
+FLAGS = [*BASE, *HYBRIDEP]
 
 
 def _megatron_loop(ctx, argv: list[str]) -> tuple[list[float], dict[str, torch.Tensor]]:  # noqa: ANN001
@@ -81,3 +83,23 @@ def test_megatron_loop_resumes_a_compressed_hybridep_run_bit_for_bit(uninterrupt
         assert params.keys() == full_params.keys()
         diff = max((params[n] - full_params[n]).abs().max().item() for n in params)
         assert diff == 0.0, f"parameters after the resume differ by up to {diff:.3g}"
+
+
+def test_checkpoints_move_between_hybridep_and_alltoall(tmp_path):
+    """The runtime's state is a part of its own: alltoall loads a hybridep checkpoint of Megatron's
+    loop (and saves none), and hybridep resumes from that one with a fresh codec, and trains."""
+    ckpt = str(tmp_path / "ckpt")
+    save = ["--save", ckpt, "--save-interval", "100"]
+    _run([*FLAGS, *save, "--exit-interval", "2"])
+    state = _runtime_state(ckpt, 2)
+    assert state["step"] == 1 and state["layers"][0]["gathers"][0]["copies"] is not None
+    alltoall = _run([*BASE, "--moe-token-dispatcher-type", "alltoall", "--load", ckpt, *save, "--exit-interval", "4"])
+    assert all(len(losses) == 2 and all(map(math.isfinite, losses)) for losses, _ in alltoall)
+    assert latest_iteration(ckpt) == 4 and not os.path.exists(os.path.join(ckpt, "iter_0000004", "hybridep"))
+    hybridep = _run([*FLAGS, "--load", ckpt])
+    assert all(len(losses) == 2 and all(map(math.isfinite, losses)) for losses, _ in hybridep)
+
+
+def _runtime_state(ckpt: str, iteration: int, rank: int = 1):
+    path = os.path.join(ckpt, f"iter_{iteration:07d}", "hybridep", f"rank_{rank:05d}.pt")
+    return torch.load(path, weights_only=True)["runtime"]
