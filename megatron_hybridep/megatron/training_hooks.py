@@ -6,7 +6,7 @@ path installs the hooks; the CPU loop uses the helpers. Checked against megatron
 from __future__ import annotations
 
 import argparse
-import copy
+import io
 from collections.abc import Callable
 from typing import Any
 
@@ -76,19 +76,27 @@ def after_each_step() -> None:
 
 def _evaluate_after_the_post_step(evaluate: Callable[..., Any]) -> Callable[..., Any]:
     """An evaluation's forward needs the post-step the last optimizer step owes. train() evaluates
-    before it saves: keep the state a save must see (copied: the post-step updates the codec's
-    tensors in place)."""
+    before it saves: keep the state a save must see, copied (the post-step updates the codec's
+    tensors in place) into host memory (it is as large as the borrowed copies)."""
     from megatron_hybridep.runtime.context import process_context
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         runtime = process_context().runtime
         if runtime is not None and runtime.post_step_due:
-            runtime.boundary = copy.deepcopy(runtime.state_dict())
+            runtime.boundary = _host_copy(runtime.state_dict())
             _run_due_post_step(runtime)
         return evaluate(*args, **kwargs)
 
     wrapped._hybridep = True  # type: ignore[attr-defined]
     return wrapped
+
+
+def _host_copy(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every tensor copied to CPU, tensors that share storage still sharing it."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, map_location="cpu", weights_only=True)
 
 
 def _run_due_post_step(runtime: Any) -> None:

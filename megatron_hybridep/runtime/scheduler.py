@@ -405,7 +405,7 @@ def _tensor(a: np.ndarray | None) -> torch.Tensor | None:
 
 
 def _array(t: torch.Tensor | None) -> np.ndarray | None:
-    return None if t is None else t.numpy().copy()
+    return None if t is None else t.cpu().numpy().copy()  # .cpu(): a checkpoint loaded onto the experts' GPU
 
 
 def _faster(lv: Level, k: float) -> Level:

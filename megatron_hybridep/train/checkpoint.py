@@ -139,13 +139,14 @@ def load(args: argparse.Namespace, model: Any, optimizer: Any, scheduler: Any, r
     return int(state["iteration"]), restored
 
 
-def load_extra(path: str, runtime: Any, rng: bool = True) -> bool:
+def load_extra(path: str, runtime: Any, rng: bool = True, device: Any = "cpu") -> bool:
     """Restore this rank's part of the checkpoint in directory ``path`` into ``runtime`` (and the RNG,
-    unless the loop restores its own: Megatron's); whether the runtime's state was restored."""
+    unless the loop restores its own: Megatron's); whether the runtime's state was restored.
+    ``device``: where the runtime's tensors go (its experts' device)."""
     path = _extra_file(path, dist.get_rank())
     if not os.path.exists(path):  # written without it (older checkpoints): RNG and runtime start fresh
         return False
-    extra = torch.load(path, map_location="cpu", weights_only=True)
+    extra = torch.load(path, map_location=device, weights_only=True)
     if rng:
         _set_rng_state(extra["rng"])
     if runtime is None or extra["runtime"] is None:  # alltoall on either side: Megatron's part is all there is

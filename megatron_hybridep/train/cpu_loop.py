@@ -1,12 +1,13 @@
 """pretrain_moe.py's CPU training loop (gloo).
 
-Megatron's own training loop (megatron.training.pretrain) hard-codes CUDA too deeply to patch
-narrowly, so on CPU this small loop drives the *same* Megatron pieces: the argument parser and
+This small loop drives the *same* Megatron pieces as Megatron's own loop: the argument parser and
 validation, core_transformer_config_from_args, GPTModel chunks with the local layer spec (pipeline
 stages and virtual stages as megatron.training.get_model builds them), Megatron's DDP and optimizer
 built from args, the OptimizerParamScheduler, Megatron's schedule (get_forward_backward_func: all
 micro-batches, 1F1B / interleaved under PP, no_sync, finalize_model_grads) and dist_checkpointing
-for --save/--load. On GPU clusters pretrain_moe.py uses megatron.training.pretrain instead.
+for --save/--load; and adds the launcher's progress beats and an atomic checkpoint commit. On GPU
+clusters pretrain_moe.py uses megatron.training.pretrain instead (which also runs on CPU under
+cpu_runtime's patches, for the tests of that path).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """pretrain_moe.py on GPU clusters: Megatron's own training loop (megatron.training.pretrain), with
 its checkpointing, logging and data pipeline, as pretrain_gpt.py uses it. The plugin adds the
 hybridep dispatcher (registered before the model is built) and the plan (chosen once the model
-parallel groups exist). Written against megatron-core 0.19.2's megatron.training API; CUDA only,
-so it is not exercised by the CPU test suite (the CPU loop in cpu_loop.py drives the same
-Megatron model, DDP, optimizer and checkpoint code)."""
+parallel groups exist), and its runtime state in Megatron's checkpoints (training_hooks). Written
+against megatron-core 0.19.2's megatron.training API for CUDA; the CPU tests run it on gloo ranks
+under cpu_runtime (tests/train/test_megatron_loop_resume.py), while pretrain_moe.py on CPU uses the
+CPU loop (cpu_loop.py: the same Megatron model, DDP, optimizer and checkpoint code)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,15 @@ def _datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | No
     return BlendedMegatronDatasetBuilder(kind, train_val_test_num_samples, lambda: True, config).build()
 
 
+def _load_runtime_state(path: str, runtime: Any) -> bool:
+    """Megatron restores its own RNG; the runtime's tensors go to this rank's GPU (set by Megatron's
+    initialisation, so looked up here), or to the CPU under the tests."""
+    from megatron_hybridep.train import checkpoint
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    return checkpoint.load_extra(path, runtime, rng=False, device=device)
+
+
 def pretrain(args: argparse.Namespace) -> int:
     """Hand the (preset-merged) command line to Megatron's pretrain(), the way pretrain_gpt.py of
     megatron-core 0.19 does: parse + validate (our flags added), build the config container, run."""
@@ -92,8 +102,7 @@ def pretrain(args: argparse.Namespace) -> int:
     check_transformer_impl(args.transformer_impl)  # before Megatron initialises anything
     register()
     training_hooks.after_each_step()
-    training_hooks.runtime_in_checkpoints(checkpoint.save_extra,
-                                          lambda path, runtime: checkpoint.load_extra(path, runtime, rng=False))
+    training_hooks.runtime_in_checkpoints(checkpoint.save_extra, _load_runtime_state)
     training_hooks.hybridep_in_every_parser()
     training_hooks.use_prebuilt_dataset_helpers()
     _datasets_provider.is_distributed = True
