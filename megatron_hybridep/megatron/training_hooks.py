@@ -52,14 +52,14 @@ def after_each_step() -> None:
         runtime = process_context().runtime
         config = kwargs.get("config", args[5] if len(args) > 5 else None)
         model = kwargs.get("model", args[2] if len(args) > 2 else None)
-        if runtime is not None:
-            runtime.boundary = None
-            _run_due_post_step(runtime)
         if runtime is not None and config is not None and model is not None:
             from megatron_hybridep.megatron import grad_sync
 
             # after train() set its own no_sync/finalize (it asserts no_sync_func is unset before)
             grad_sync.install(config, model if isinstance(model, list) else [model], runtime)
+        if runtime is not None:  # after install: it sets the expert parameter sync the post-step runs first
+            runtime.boundary = None
+            _run_due_post_step(runtime)
         out = inner(*args, **kwargs)
         if runtime is not None:
             if runtime.scheduler is not None:  # decide before the next iteration's first gather starts
