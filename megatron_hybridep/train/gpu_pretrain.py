@@ -1,6 +1,6 @@
 """pretrain_moe.py on GPU clusters: Megatron's own training loop (megatron.training.pretrain), with
 its checkpointing, logging and data pipeline, as pretrain_gpt.py uses it. The plugin adds the
-hybridep dispatcher (registered before the model is built) and the plan (chosen once the model
+hybridep dispatcher (its MoE layer in the layer spec) and the plan (chosen once the model
 parallel groups exist). Written against megatron-core 0.19.2's megatron.training API; CUDA only,
 so it is not exercised by the CPU test suite (the CPU loop in cpu_loop.py drives the same
 Megatron model, DDP, optimizer and checkpoint code)."""
@@ -83,11 +83,11 @@ def pretrain(args: argparse.Namespace) -> int:
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.training import pretrain as megatron_pretrain
 
-    from megatron_hybridep.megatron import register, training_hooks
+    from megatron_hybridep.megatron import install_hooks, training_hooks
     from megatron_hybridep.megatron.compat import check_transformer_impl
 
     check_transformer_impl(args.transformer_impl)  # before Megatron initialises anything
-    register()
+    install_hooks()
     training_hooks.after_each_step()
     training_hooks.hybridep_in_every_parser()
     training_hooks.use_prebuilt_dataset_helpers()
