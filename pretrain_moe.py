@@ -97,7 +97,7 @@ def _launched_rank(argv: list[str]) -> int:
     # waits there for its peers (and for the network to come back).
     stall = args.hybridep_stall_timeout
     dist.init_process_group("gloo")
-    from megatron_hybridep.runtime import reachability
+    from megatron_hybridep.train import reachability
     from megatron_hybridep.train.launch import progress_status
 
     # gloo's timeout names no peer: a beacon per rank lets a failed rank say which peers it cannot

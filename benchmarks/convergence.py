@@ -156,7 +156,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--systems: unknown {', '.join(bad)}; use {', '.join(sorted(named))} or wRgR (e.g. w10, g50, w50g50)")
     if a.experts % RANKS or not 1 <= a.topk <= a.experts:
         p.error(f"--experts must be a multiple of the {RANKS} ranks and --topk between 1 and --experts")
-    a.model = dict(num_layers=a.layers, num_experts=a.experts, topk=a.topk, seq_length=a.seq_length)
+    a.model = dict(num_layers=a.layers, num_experts=a.experts, top_k=a.topk, seq_length=a.seq_length)
     return a
 
 

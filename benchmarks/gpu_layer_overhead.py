@@ -60,7 +60,7 @@ def measure(args: argparse.Namespace) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_hybridep.megatron import cpu_runtime, register, teardown
+    from megatron_hybridep.megatron import cpu_runtime, teardown
     from megatron_hybridep.megatron.compat import transformer_engine_version
     from megatron_hybridep.testing.moe import MoESpec, rank_input
 
@@ -73,11 +73,10 @@ def measure(args: argparse.Namespace) -> dict:
     os.environ.setdefault("MASTER_PORT", str(args.port))
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     try:
-        register()
         ps.initialize_model_parallel(expert_model_parallel_size=1)
         model_parallel_cuda_manual_seed(3)
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-        spec = MoESpec(hidden=args.hidden, ffn=args.ffn, experts=args.experts, topk=args.topk,
+        spec = MoESpec(hidden=args.hidden, ffn=args.ffn, experts=args.experts, top_k=args.topk,
                        aux_loss_coeff=1e-2, seq=args.seq, batch=args.batch, dtype=dtype)
         use_te = cuda and not args.local and transformer_engine_version() is not None
         layers, runtime = _layers(spec, args.device, use_te)

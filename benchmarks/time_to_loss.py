@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -85,10 +86,10 @@ def chosen(text: str) -> str:
 def run_one(tb, flags: list[str], args: argparse.Namespace, topology: Path) -> list[tuple[int, float, float]]:  # noqa: ANN001
     from megatron_hybridep.testbed.launcher import python_cmd
 
-    cmd = python_cmd(REPO / "pretrain_moe.py", *MODEL, "--global-batch-size", str(args.global_batch),
-                     "--train-iters", str(args.iters), "--lr-warmup-iters", str(max(1, args.iters // 20)),
-                     "--log-interval", "1", "--seed", str(args.seed), "--hybridep-layout-independent-init",
-                     "--data-path", args.data_path,
+    cmd = python_cmd(REPO / "pretrain_moe.py", *MODEL, *shlex.split(args.model_flags),
+                     "--global-batch-size", str(args.global_batch), "--train-iters", str(args.iters),
+                     "--lr-warmup-iters", str(max(1, args.iters // 20)), "--log-interval", "1",
+                     "--seed", str(args.seed), "--hybridep-layout-independent-init", "--data-path", args.data_path,
                      "--split", "100,0,0", "--hybridep-topology", topology, *flags)
     result = tb.launch(cmd, timeout_s=args.timeout, cwd=REPO)
     text = next((o for o in result.outputs if LINE.search(o)), result.outputs[0])
@@ -171,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                         "converge more slowly per step have iterations left to reach it)")
     p.add_argument("--systems", default="ep,replicated,hybridep,hybridep-c,pp,auto")
     p.add_argument("--data-path", default=None, help="indexed-dataset prefix (default: scripts/prepare_corpus's)")
+    p.add_argument("--model-flags", default="", help="pretrain_moe flags after the model's own, which they override "
+                                                     "(e.g. '--hidden-size 32 --micro-batch-size 8')")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", default=None, help="folder for results.md, results.json and loss_vs_time.png")
     args = p.parse_args(argv)

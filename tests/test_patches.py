@@ -341,6 +341,7 @@ def record_setup(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple, dict]]:
     import megatron_hybridep.megatron as hep
 
     calls: list[tuple[tuple, dict]] = []
+    monkeypatch.setattr(hep, "register", lambda: calls.append(("register",)))
     monkeypatch.setattr(hep, "setup", lambda *a, **kw: calls.append((a, kw)))
     return calls
 
@@ -350,8 +351,8 @@ def test_added_provider_sets_up_the_plan_before_building_the_model(base_args, re
     g = exec_block(ns)
     provider: Callable[..., Any] = g["hybridep_model_provider"]
     assert provider("GPT-BUILDER", True, False, vp_stage=None) == "model"
-    assert len(record_setup) == 1
-    (plans,), kw = record_setup[0]
+    assert len(record_setup) == 2 and record_setup[0] == ("register",)  # before the spec is built
+    (plans,), kw = record_setup[1]
     assert kw == {"ep_group": "EP-GROUP", "num_experts": 8}
     assert [p.label for p in plans] == ["ep (S=1)"] and plans[0].ep_size == 4
     assert ns.calls == [("model_provider", ("GPT-BUILDER", True, False), {"vp_stage": None})]

@@ -26,7 +26,6 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -37,6 +36,7 @@ from megatron_hybridep.bench.control import CONTROL_ENV, ControlClient
 from megatron_hybridep.bench.predict import MEASURED
 from megatron_hybridep.plan.model import ModelSpec
 from megatron_hybridep.plan.phases import Phase
+from megatron_hybridep.runtime.logs import quiet_known_warnings
 
 PREFIX = "BENCH "
 WAN_DEV = "wan0"
@@ -349,8 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     with open(ns.spec) as f:
         spec = json.load(f)
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*not installed.*")
-    warnings.filterwarnings("ignore", message=".*GPTModel IS DEPRECATED.*")
+    quiet_known_warnings()
     torch.set_num_threads(1)  # the ranks share the machine's cores, as torchrun's OMP default does
     dist.init_process_group("gloo", timeout=timedelta(seconds=spec["timeout_s"]))
     from megatron_hybridep.megatron import cpu_runtime

@@ -115,8 +115,21 @@ def instrument(dispatcher: MoEAlltoAllTokenDispatcher, stats: Stats, layer: int,
 
 
 class HybridEPTokenDispatcher(MoEAlltoAllTokenDispatcher):
-    """``masked``: hot-expert replicas remove (token, expert) pairs from the routing map, so tokens no
-    longer carry exactly top-k pairs; the permuted size is counted instead of assumed."""
+    """Megatron's all-to-all dispatcher over a plan's rail group (the ranks holding the same position
+    in every domain), with the expert columns renumbered domain-major. Same interface and tensors as
+    MoEAlltoAllTokenDispatcher: ``dispatch_preprocess(hidden_states [tokens, hidden],
+    routing_map [tokens, experts] bool, probs [tokens, experts] float)``, then ``token_dispatch``,
+    ``dispatch_postprocess`` -> (tokens per local expert, concatenated [sum, hidden] in the
+    activation dtype, their probs), and the combine steps back to [tokens, hidden].
+
+    Args:
+        order: ``order[j]`` = Megatron's expert index placed at column j (``expert_order``): rail
+            position r then owns domain r's S x L experts as one contiguous block.
+        masked: hot-expert replicas remove (token, expert) pairs from the routing map, so tokens no
+            longer carry exactly top-k pairs; the permuted size is counted instead of assumed.
+        *args, **kwargs: MoEAlltoAllTokenDispatcher's (num_local_experts, local_expert_indices,
+            config, pg_collection with the rail group as its EP group).
+    """
 
     def __init__(self, *args: Any, order: list[int], masked: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -9,7 +9,8 @@ which does not. Without this, every --bf16/--fp16 run kept the first step's borr
 
 ``install()`` wraps MixedPrecisionOptimizer.step_with_ready_grads (megatron-core 0.19.2): after a
 step that updated parameters, every 16-bit model parameter's version is incremented (with the distributed optimizer,
-also those whose shard another rank updated: the all-gather writes them through the buffer). Idempotent.
+also those whose shard another rank updated: the all-gather writes them through the buffer). Idempotent;
+``uninstall()`` restores Megatron's method (teardown() calls it).
 """
 
 from __future__ import annotations
@@ -45,3 +46,11 @@ def install() -> None:
     setattr(step_with_ready_grads, _MARK, True)
     step_with_ready_grads.__wrapped__ = original
     MixedPrecisionOptimizer.step_with_ready_grads = step_with_ready_grads
+
+
+def uninstall() -> None:
+    from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+
+    current = MixedPrecisionOptimizer.step_with_ready_grads
+    if getattr(current, _MARK, False):
+        MixedPrecisionOptimizer.step_with_ready_grads = current.__wrapped__

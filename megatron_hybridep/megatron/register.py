@@ -1,16 +1,20 @@
 """Registration of the hybridep dispatcher with Megatron-Core.
 
-Megatron's MoELayer hard-codes its dispatcher choice and has no registry, and its layer-spec
-builders bind the MoELayer class by name (megatron.core.models.gpt.moe_module_specs.MoELayer,
-used by the local and TransformerEngine GPT specs and by MTP blocks). ``register()`` rebinds that
-name to HybridEPMoELayer, a subclass that is plain MoELayer unless the config asks for
-'hybridep'. Checked against megatron-core 0.19.2.
+Megatron's MoELayer hard-codes its dispatcher choice and has no registry. The plugin's own paths
+(train/, testing/) build HybridEPMoELayer, a subclass that is plain MoELayer unless the config asks
+for 'hybridep', through the layer spec (``hybridep_layer_spec``). Upstream code that builds its
+specs itself (Megatron-LM's pretrain_gpt.py, MTP blocks) gets it from ``register()``, which rebinds
+megatron.core.models.gpt.moe_module_specs.MoELayer, the name Megatron's spec builders use.
+Checked against megatron-core 0.19.2.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -22,18 +26,51 @@ from megatron_hybridep.runtime.migration import MigrationConfig
 _SPEC_MODULES = ("megatron.core.models.gpt.moe_module_specs",)
 
 
-def register() -> None:
-    """Make ``moe_token_dispatcher_type='hybridep'`` selectable. Idempotent.
-
-    Rebinds ``MoELayer`` in Megatron's MoE spec module to HybridEPMoELayer (for specs built by
-    upstream code such as pretrain_gpt.py) and installs the parameter-version hook that lets
-    borrowed copies see bf16/fp16 optimizer steps. Raises if megatron-core is outside the tested
-    range (megatron/compat.py)."""
+def install_hooks() -> None:
+    """What every hybridep job needs before its model is built, whatever builds the specs: the
+    parameter-version hook that lets borrowed copies see bf16/fp16 optimizer steps. Idempotent.
+    Raises if megatron-core is outside the tested range (megatron/compat.py)."""
     check_megatron_version()
     from megatron_hybridep.megatron import param_versions
+
+    param_versions.install()
+
+
+def hybridep_layer_spec(spec: Any) -> Any:
+    """A copy of the GPT layer spec ``spec`` (a TransformerLayer ModuleSpec from Megatron's
+    gpt_layer_specs) whose MoE module is HybridEPMoELayer; a spec without MoE is returned as is.
+    Megatron 0.19 gives the MoE module as ``partial(MoELayer, submodules=...)``; a ModuleSpec of
+    MoELayer (older specs) is swapped too."""
+    mlp = getattr(getattr(spec, "submodules", None), "mlp", None)
+    swapped = hybridep_moe_spec(mlp)
+    if swapped is mlp:
+        return spec
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=swapped))
+
+
+def hybridep_moe_spec(moe: Any) -> Any:
+    """Megatron's MoE module spec ``moe`` (get_moe_module_spec's) building HybridEPMoELayer instead
+    of MoELayer; anything else is returned as is."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
     from megatron_hybridep.megatron.moe_layer import HybridEPMoELayer
 
-    param_versions.install()  # borrowed copies see bf16/fp16 optimizer steps
+    if isinstance(moe, functools.partial) and moe.func is MoELayer:
+        return functools.partial(HybridEPMoELayer, *moe.args, **moe.keywords)
+    if isinstance(moe, ModuleSpec) and moe.module is MoELayer:
+        return dataclasses.replace(moe, module=HybridEPMoELayer)
+    return moe
+
+
+def register() -> None:
+    """Make ``moe_token_dispatcher_type='hybridep'`` selectable in specs that upstream code builds
+    (Megatron-LM's pretrain_gpt.py): rebinds ``MoELayer`` in Megatron's MoE spec module to
+    HybridEPMoELayer, and installs the hooks (``install_hooks``). Idempotent. The plugin's own paths
+    use ``hybridep_layer_spec`` instead."""
+    install_hooks()
+    from megatron_hybridep.megatron.moe_layer import HybridEPMoELayer
+
     for name in _SPEC_MODULES:
         module = importlib.import_module(name)
         module.MoELayer = HybridEPMoELayer
@@ -66,16 +103,19 @@ def setup(plans: Sequence[Plan], ep_group: dist.ProcessGroup | None = None, acti
         from megatron.core import parallel_state
 
         ep_group = parallel_state.get_expert_model_parallel_group()
-    register()
+    install_hooks()
     runtime = HybridEPRuntime(plans, ep_group, active=active, prefetch=prefetch, migration=migration)
     process_context().set_runtime(runtime)
     return runtime
 
 
 def teardown() -> None:
-    """Forget the runtime (tests and jobs that rebuild the model)."""
+    """Forget the runtime and undo ``install_hooks`` (tests and jobs that rebuild the model)."""
+    from megatron_hybridep.megatron import param_versions
+
     ctx = process_context()
     if ctx.runtime is not None:
         for layer in ctx.runtime.layers:
             layer.drop_gather()
     ctx.set_runtime(None)
+    param_versions.uninstall()

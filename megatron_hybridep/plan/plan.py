@@ -47,7 +47,22 @@ def default_level_names(n_levels: int) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Plan:
-    """Expert domains and token rails for one EP group. Equality ignores the predictions."""
+    """Expert domains and token rails for one EP group. Equality ignores the predictions.
+
+    Fields:
+        kind: "domains" (HybridEP; all domain sizes 1 is Megatron's EP) or "replicated" (EP inside
+            each DC, experts replicated across DCs; see the module's docstring).
+        level_names, level_counts: the EP group's ranks as a grid, outermost level first (e.g.
+            ("dc", "gpu"), (2, 4) for 2 DCs of 4 ranks, Megatron's rank order).
+        domain_sizes: S_l per level; a domain's ranks all-gather each other's experts, a rail's
+            exchange tokens (their product is S, the ranks per domain).
+        num_experts: the MoE layer's expert count (a multiple of the EP size).
+        predicted: the cost model's seconds per phase (plan/phases.py names), for logs and the bench.
+        link_bytes: the cost model's bytes per link kind per iteration.
+        replicas: hot-expert replicas (plan/hot.py), empty for none.
+    Build one with ``Plan.grid``, the planner (``choose_plan``) or ``Plan.from_dict`` (the JSON that
+    ``hybridep plan --out`` writes); ``validate(ep_size, num_experts)`` checks it against a job.
+    """
 
     kind: str
     level_names: tuple[str, ...]

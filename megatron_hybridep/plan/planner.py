@@ -96,11 +96,28 @@ def with_hot_plans(model: CostModel, plans: list[Plan], replica_budget: int | No
 def choose_plan(topology: Topology, workload: Workload, ep_size: int | None = None, *, cost: str = "ours",
                 include_replicated: bool = True, memory_limit_bytes: float | None = None,
                 replica_budget: int | None = None, check_memory: bool = True) -> PlanningResult:
-    """Plan one EP group: ``ep_size`` defaults to the largest that fits the levels and the experts.
-    Plans whose memory per rank (CostModel.memory) exceeds ``memory_limit_bytes`` (default: the
-    topology's memory_gb_per_gpu) are refused unless ``check_memory`` is False.
-    ``replica_budget``: hot-expert replicas per rank (None: the experts a rank owns; 0: none).
-    With PP > 1 the result's topology is one pipeline stage."""
+    """Plan one EP group: every candidate plan (HybridEP domains, Megatron's EP, replicated experts,
+    and their hot-replica variants) priced by one cost model, cheapest first. The public planning
+    entry; torch-free.
+
+    Args:
+        topology: the cluster (plan/topology.py): levels, bandwidths, memory per GPU, PP/TP/DP.
+        workload: the model and the run (plan/workload.py): tokens per rank, micro-batches, codec ratios.
+        ep_size: ranks in one EP group; default the largest that fits the levels and the experts.
+        cost: "ours" (CostModel, plan/cost.py) or "paper" (the paper's model, no replicas).
+        include_replicated: also price EP inside each DC with experts replicated across DCs.
+        memory_limit_bytes: per-rank limit (default the topology's memory_gb_per_gpu); plans over it
+            are refused unless ``check_memory`` is False.
+        replica_budget: hot-expert replicas per rank (None: the experts a rank owns; 0: none).
+
+    Returns:
+        PlanningResult: ``.best`` the chosen Plan (its ``predicted`` seconds per phase and
+        ``link_bytes`` filled in), ``.candidates`` every plan with its CostBreakdown, cheapest first,
+        ``.topology`` the priced stage (with PP > 1, one pipeline stage).
+
+    Raises:
+        PlanError naming the field and the fix (an unknown cost model, no plan within memory).
+    """
     if cost not in COST_MODELS:
         raise PlanError(f"cost: unknown cost model {cost!r}; fix: use one of {', '.join(COST_MODELS)}")
     limit = memory_limit_bytes if memory_limit_bytes is not None else topology.memory_bytes

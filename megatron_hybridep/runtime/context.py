@@ -231,7 +231,7 @@ class Measuring:
 @dataclasses.dataclass
 class Heartbeat:
     """This process's progress (train/launch.py ``progress()``): what its beacon answers a peer
-    (runtime/reachability.py) and, inside a run_ranks rank, the shared slots its parent watches."""
+    (train/reachability.py) and, inside a run_ranks rank, the shared slots its parent watches."""
 
     beats: int = 0
     iteration: int = 0

@@ -1,8 +1,8 @@
 """Logs a person can read: a warning every rank would raise the same way is logged once (rank 0),
 and the known-harmless warnings of a CPU run (no TransformerEngine/Apex by design, Megatron's own
-deprecated calls, torch's "No CUDA runtime is found" line) are filtered in every rank process.
-Importing this module installs the filters: train/launch.py preloads it in its fork server, which
-imports Megatron before any rank starts."""
+deprecated calls, torch's "No CUDA runtime is found" line) are filtered in every rank process by
+quiet_known_warnings() (pretrain_moe.py, each rank, and the ranks' fork server through
+train/quiet_imports.py, before it imports Megatron)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 # message patterns; CPU: no TE/Apex by design; the rest are Megatron's own calls, repeated on every rank
 HARMLESS = (r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*",
             r".*transformer-engine>=1\.7\.0 supports MoE experts.*",
-            r"full scope is deprecated.*", r"MimoModelConfig is experimental.*",
+            r"full scope is deprecated.*", r".*GPTModel IS DEPRECATED.*", r"MimoModelConfig is experimental.*",
             r".*`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated.*")
 
 
@@ -36,6 +36,3 @@ def warn_once(log: logging.Logger, msg: str, *args: Any) -> None:
 
     first = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     (log.warning if first else log.debug)(msg, *args)
-
-
-quiet_known_warnings()

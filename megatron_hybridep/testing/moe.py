@@ -19,7 +19,7 @@ class MoESpec:
     hidden: int = 16
     ffn: int = 32
     experts: int = 8
-    topk: int = 2
+    top_k: int = 2
     aux_loss_coeff: float = 0.0
     seq: int = 12
     batch: int = 2
@@ -31,7 +31,7 @@ class MoESpec:
 
     @property
     def use_pre_softmax(self) -> bool:
-        return self.topk == 1 if self.pre_softmax is None else self.pre_softmax
+        return self.top_k == 1 if self.pre_softmax is None else self.pre_softmax
 
 
 @dataclass
@@ -63,7 +63,7 @@ def layer_config(spec: MoESpec, **overrides: object):  # noqa: ANN201 - Transfor
 
     kwargs = dict(
         num_layers=1, hidden_size=spec.hidden, ffn_hidden_size=spec.ffn, moe_ffn_hidden_size=spec.ffn,
-        num_attention_heads=4, num_moe_experts=spec.experts, moe_router_topk=spec.topk,
+        num_attention_heads=4, num_moe_experts=spec.experts, moe_router_topk=spec.top_k,
         moe_token_dispatcher_type=spec.dispatcher, moe_aux_loss_coeff=spec.aux_loss_coeff,
         moe_router_load_balancing_type="aux_loss" if spec.aux_loss_coeff else "none",
         moe_router_pre_softmax=spec.use_pre_softmax, use_cpu_initialization=True, add_bias_linear=False,
@@ -82,10 +82,13 @@ def build_moe_layer(spec: MoESpec, ep_rank: int, ep_size: int, *, grouped_gemm: 
     Model parallel state must be initialised by the caller."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 
+    from megatron_hybridep.megatron import hybridep_moe_spec
+
     if grouped_gemm:
         config_overrides.setdefault("moe_grouped_gemm", True)
     config = layer_config(spec, **config_overrides)
-    build = get_moe_module_spec(use_te=transformer_engine, num_experts=spec.experts, moe_grouped_gemm=grouped_gemm)
+    build = hybridep_moe_spec(get_moe_module_spec(use_te=transformer_engine, num_experts=spec.experts,
+                                                  moe_grouped_gemm=grouped_gemm))
     layer = build(config=config)
     load_global_weights(layer, global_weights(spec), ep_rank, ep_size)
     return layer
@@ -114,7 +117,7 @@ def load_global_weights(layer: torch.nn.Module, w: GlobalWeights, ep_rank: int, 
             fc2.copy_(w.fc2[e])
 
 
-def reference_moe(x: torch.Tensor, w: GlobalWeights, topk: int, aux_loss_coeff: float = 0.0,
+def reference_moe(x: torch.Tensor, w: GlobalWeights, top_k: int, aux_loss_coeff: float = 0.0,
                   pre_softmax: bool = False, top_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch MoE forward on one rank's tokens: (output, aux_loss).
 
@@ -123,7 +126,7 @@ def reference_moe(x: torch.Tensor, w: GlobalWeights, topk: int, aux_loss_coeff: 
     Switch load-balancing loss E*coeff/(k*T^2) * sum_e(sum_t softmax(logits)_te * count_e).
     Megatron's precision contract: routing scores in float32, probabilities cast back to the
     logits' dtype (a no-op in float32; in float64 the probabilities carry float32 rounding).
-    ``top_idx`` [tokens, topk]: route as given (a bf16 run's choice: a near-tie that bf16 breaks
+    ``top_idx`` [tokens, top_k]: route as given (a bf16 run's choice: a near-tie that bf16 breaks
     the other way would otherwise compare different experts).
     """
     shape = x.shape
@@ -131,10 +134,10 @@ def reference_moe(x: torch.Tensor, w: GlobalWeights, topk: int, aux_loss_coeff: 
     logits = tokens @ w.router.t()
     if pre_softmax:
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top_probs, top_idx = (torch.topk(scores, topk, dim=-1) if top_idx is None
+        top_probs, top_idx = (torch.topk(scores, top_k, dim=-1) if top_idx is None
                               else (scores.gather(1, top_idx), top_idx))
     else:
-        top_logits, top_idx = (torch.topk(logits, topk, dim=-1) if top_idx is None
+        top_logits, top_idx = (torch.topk(logits, top_k, dim=-1) if top_idx is None
                                else (logits.gather(1, top_idx), top_idx))
         top_probs = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
     top_probs = top_probs.to(logits.dtype)
@@ -150,7 +153,7 @@ def reference_moe(x: torch.Tensor, w: GlobalWeights, topk: int, aux_loss_coeff: 
         num_experts, t = w.fc1.shape[0], tokens.shape[0]
         counts = torch.zeros(num_experts).index_add_(0, top_idx.reshape(-1), torch.ones(top_idx.numel()))
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        aux = (scores.sum(0) * counts).sum() * num_experts * aux_loss_coeff / (topk * t * t)
+        aux = (scores.sum(0) * counts).sum() * num_experts * aux_loss_coeff / (top_k * t * t)
     return out.reshape(shape), aux
 
 
@@ -167,7 +170,7 @@ def reference_grads(spec: MoESpec, world: int, rank: int, *, cast: Callable[[tor
     mine: dict[str, torch.Tensor] = {}
     for r in range(world):
         x = as_seen(rank_input(spec, r)).requires_grad_(True)
-        out, aux = reference_moe(x, w, spec.topk, spec.aux_loss_coeff, spec.use_pre_softmax,
+        out, aux = reference_moe(x, w, spec.top_k, spec.aux_loss_coeff, spec.use_pre_softmax,
                                  top_idx=None if routes is None else routes[r])
         dy = as_seen(rank_input(spec, r, step=99))
         before = w.router.grad.clone() if w.router.grad is not None else 0

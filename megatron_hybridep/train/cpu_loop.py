@@ -114,12 +114,12 @@ def run(args: argparse.Namespace, collect_params: bool = False,
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_hybridep.megatron import cpu_runtime, register, teardown
+    from megatron_hybridep.megatron import cpu_runtime, install_hooks, teardown
     from megatron_hybridep.train.reporting import Reporter
 
     start = time.perf_counter()
     cpu_runtime.enable()
-    register()
+    install_hooks()
     world, rank = dist.get_world_size(), dist.get_rank()
     choice = plan_job(args, world)  # before validation: the replicated plan changes the EP size
     args = _validated(args)

@@ -24,7 +24,7 @@ class GPTMoEArgs:
     ffn_hidden_size: int = 128
     num_attention_heads: int = 4
     num_experts: int = 8
-    topk: int = 2
+    top_k: int = 2
     vocab_size: int = 256
     seq_length: int = 64
     micro_batch_size: int = 4
@@ -44,8 +44,8 @@ class GPTMoEArgs:
     @classmethod
     def from_model(cls, spec: ModelSpec, **run: Any) -> GPTMoEArgs:
         """The args for ``spec`` with run settings ``run`` (fields of this class; seq_length overrides
-        the spec's). build() makes every layer MoE with GELU experts of ffn_hidden_size (``topk`` is
-        the spec's top_k), so a spec it cannot build is refused."""
+        the spec's). build() makes every layer MoE with GELU experts of ffn_hidden_size, so a spec it
+        cannot build is refused."""
         cannot = [what for what, bad in (
             ("dense layers", spec.num_layers != spec.num_moe_layers), ("gated (SwiGLU) experts", spec.gated_mlp),
             ("shared experts", spec.shared_experts), ("no num_attention_heads", not spec.num_attention_heads),
@@ -54,7 +54,7 @@ class GPTMoEArgs:
             raise ValueError(f"GPTMoEArgs.from_model: {spec.name or 'the model'} has {', '.join(cannot)}; fix: a "
                              "spec with every layer MoE, GELU experts, heads and vocabulary stated")
         shape = dict(num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
-                     num_attention_heads=spec.num_attention_heads, num_experts=spec.num_experts, topk=spec.top_k,
+                     num_attention_heads=spec.num_attention_heads, num_experts=spec.num_experts, top_k=spec.top_k,
                      vocab_size=spec.vocab_size, seq_length=spec.seq_length)
         return cls(**{**shape, **run})
 
@@ -87,7 +87,7 @@ def transformer_config(args: GPTMoEArgs):  # noqa: ANN201 - TransformerConfig
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size, moe_ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_moe_experts=args.num_experts,
-        moe_router_topk=args.topk, moe_router_pre_softmax=args.topk == 1,
+        moe_router_topk=args.top_k, moe_router_pre_softmax=args.top_k == 1,
         moe_token_dispatcher_type=args.dispatcher, moe_aux_loss_coeff=args.aux_loss_coeff,
         moe_router_load_balancing_type="aux_loss" if args.aux_loss_coeff else "none",
         expert_model_parallel_size=args.expert_model_parallel_size,
@@ -124,13 +124,17 @@ def build(args: GPTMoEArgs) -> TrainState:
 
 def layer_spec(num_experts: int, *, qk_layernorm: bool = False, grouped_gemm: bool = False,
                transformer_engine: bool = False) -> Any:
-    """Megatron's GPT layer spec: the local one (CPU, SequentialMLP experts) or Transformer Engine's."""
+    """Megatron's GPT layer spec, the local one (CPU, SequentialMLP experts) or Transformer Engine's,
+    with its MoE module built as HybridEPMoELayer (plain MoELayer unless the config asks for hybridep)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    from megatron_hybridep.megatron import hybridep_layer_spec
+
     if transformer_engine:
-        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts, grouped_gemm, qk_layernorm)
-    return specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=grouped_gemm,
-                                          qk_layernorm=qk_layernorm)
+        return hybridep_layer_spec(specs.get_gpt_layer_with_transformer_engine_spec(num_experts, grouped_gemm,
+                                                                                   qk_layernorm))
+    return hybridep_layer_spec(specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=grouped_gemm,
+                                                              qk_layernorm=qk_layernorm))
 
 
 def model_kwargs(args: Any) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 """pretrain_moe.py on GPU clusters: Megatron's own training loop (megatron.training.pretrain), with
 its checkpointing, logging and data pipeline, as pretrain_gpt.py uses it. The plugin adds the
-hybridep dispatcher (registered before the model is built) and the plan (chosen once the model
-parallel groups exist), and its runtime state in Megatron's checkpoints (training_hooks). Written
-against megatron-core 0.19.2's megatron.training API for CUDA; the CPU tests run it on gloo ranks
-under cpu_runtime (tests/train/test_megatron_loop_resume.py), while pretrain_moe.py on CPU uses the
-CPU loop (cpu_loop.py: the same Megatron model, DDP, optimizer and checkpoint code)."""
+hybridep dispatcher (its MoE layer in the layer spec), the plan (chosen once the model parallel
+groups exist), and its runtime state in Megatron's checkpoints (training_hooks). Written against
+megatron-core 0.19.2's megatron.training API for CUDA; the CPU tests run it on gloo ranks under
+cpu_runtime (tests/train/test_megatron_loop_resume.py), while pretrain_moe.py on CPU uses the CPU
+loop (cpu_loop.py: the same Megatron model, DDP, optimizer and checkpoint code)."""
 
 from __future__ import annotations
 
@@ -95,12 +95,12 @@ def pretrain(args: argparse.Namespace) -> int:
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.training import pretrain as megatron_pretrain
 
-    from megatron_hybridep.megatron import register, training_hooks
+    from megatron_hybridep.megatron import install_hooks, training_hooks
     from megatron_hybridep.megatron.compat import check_transformer_impl
     from megatron_hybridep.train import checkpoint
 
     check_transformer_impl(args.transformer_impl)  # before Megatron initialises anything
-    register()
+    install_hooks()
     training_hooks.after_each_step()
     training_hooks.runtime_in_checkpoints(checkpoint.save_extra, _load_runtime_state)
     training_hooks.hybridep_in_every_parser()

@@ -30,9 +30,10 @@ from megatron_hybridep.runtime.context import process_context
 from megatron_hybridep.runtime.logs import quiet_known_warnings
 
 # Imported once by the fork server so each rank starts in ~0.1 s instead of re-importing torch and
-# Megatron (~5 s each on these machines); runtime.logs first, so its warning filters cover those imports.
-PRELOAD = ["megatron_hybridep.runtime.logs", "torch", "torch.distributed", "megatron.core.transformer.moe.moe_layer",
-           "megatron.core.models.gpt.gpt_model", "megatron.core.distributed", "megatron.core.optimizer"]
+# Megatron (~5 s each on these machines); quiet_imports first, so its warning filters cover those imports.
+PRELOAD = ["megatron_hybridep.train.quiet_imports", "torch", "torch.distributed",
+           "megatron.core.transformer.moe.moe_layer", "megatron.core.models.gpt.gpt_model",
+           "megatron.core.distributed", "megatron.core.optimizer"]
 
 _SLOTS = 4  # per rank: progress beats, iteration, median step seconds, predicted step seconds
 _PHASE = 32  # bytes of phase text per rank
@@ -101,7 +102,7 @@ def progress(iteration: int, phase: str, step_seconds: float | None = None,
 
 def progress_status() -> str:
     """This rank's progress as one line, "beats iteration seconds-since phase" (what its beacon
-    answers a peer whose collective timed out: runtime/reachability.py)."""
+    answers a peer whose collective timed out: train/reachability.py)."""
     beat = process_context().heartbeat
     return f"{beat.beats} {beat.iteration} {time.monotonic() - beat.when:.1f} {beat.phase}"
 

@@ -59,9 +59,11 @@ def topology_for(args: argparse.Namespace, world_size: int) -> Topology:
     return topo
 
 
-def workload_for(args: argparse.Namespace) -> Workload:
+def workload_for(args: argparse.Namespace, world_size: int | None = None) -> Workload:
     """The planner's Workload from the parsed flags (plan/presets.py maps flag names: MoE layers from
-    --moe-layer-freq, dtypes, distributed optimizer, TP, PP)."""
+    --moe-layer-freq, dtypes, distributed optimizer, TP, PP). Micro-batches per iteration need the
+    data-parallel size: Megatron's (set by its validation) or, before that, ``world_size`` over
+    TP x PP x CP."""
     from megatron_hybridep.plan.presets import workload_from_settings
     from megatron_hybridep.plan.workload import DEFAULT_THROUGHPUT_TFLOPS
 
@@ -70,8 +72,11 @@ def workload_for(args: argparse.Namespace) -> Workload:
         import torch
 
         tflops = DEFAULT_THROUGHPUT_TFLOPS if torch.cuda.is_available() else 0.05
-    w = workload_from_settings({**vars(args), "hybridep_throughput_tflops": tflops}, "from arguments",
-                               getattr(args, "data_parallel_size", None) or 0)
+    dp = getattr(args, "data_parallel_size", None) or 0
+    if not dp and world_size:
+        dp = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+                            * (getattr(args, "context_parallel_size", None) or 1))
+    w = workload_from_settings({**vars(args), "hybridep_throughput_tflops": tflops}, "from arguments", dp)
     return w.replace(compression_ratio=args.hybridep_compression_ratio,
                      grad_compression_ratio=grad_ratio(args),
                      borrowed_copies=getattr(args, "hybridep_borrowed_copies", None) or "auto",
@@ -187,7 +192,7 @@ def choose(args: argparse.Namespace, world_size: int) -> PlanChoice:
                             "--expert-model-parallel-size that spans DCs")
         return PlanChoice(Plan.replicated(layout.counts, args.num_experts, layout.names), topo, None)
     if mode == "auto":
-        result = choose_plan(topo, workload_for(args), ep)
+        result = choose_plan(topo, workload_for(args, world_size), ep)
         if result.best.kind == "replicated":
             result = _runnable(result, ep)
         return PlanChoice(result.best, topo, result)
@@ -210,7 +215,7 @@ def choose_layout(args: argparse.Namespace, world_size: int, fixed: list[str]) -
     from megatron_hybridep.plan.layout import format_layouts, plan_layouts
 
     topology = topology_for(args, world_size)
-    w = workload_for(args)
+    w = workload_for(args, world_size)
     split = w.tensor_model_parallel_size * w.pipeline_model_parallel_size
     w = w.replace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                   micro_batches=max(1, w.micro_batches // split))

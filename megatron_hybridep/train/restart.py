@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from megatron_hybridep.runtime.reachability import looks_like_comm_failure
 from megatron_hybridep.train import launch
 from megatron_hybridep.train.checkpoint import TRACKER, latest_iteration
 from megatron_hybridep.train.launch import RankFailure, StallFailure
+from megatron_hybridep.train.reachability import looks_like_comm_failure
 
 RESTART_COUNT = ("TORCHELASTIC_RESTART_COUNT", "HYBRIDEP_RESTART_COUNT", "SLURM_RESTART_COUNT")
 MAX_RESTARTS = ("TORCHELASTIC_MAX_RESTARTS", "HYBRIDEP_MAX_RESTARTS")

@@ -24,14 +24,14 @@ conv = importlib.import_module("convergence")
 def test_default_stays_the_markov_corpus_and_the_toy_model():
     a = conv.parse_args([])
     assert not a.text and a.data_path is None and a.corpus is None and a.vocab == 64
-    assert a.model == dict(num_layers=2, num_experts=8, topk=2, seq_length=64)
+    assert a.model == dict(num_layers=2, num_experts=8, top_k=2, seq_length=64)
     assert conv.load_text(a) is None
 
 
 def test_text_flags_set_the_byte_vocabulary_and_model_flags_reach_the_model():
     a = conv.parse_args(["--corpus", "book.txt", "--layers", "4", "--experts", "16", "--seq-length", "128"])
     assert a.text and a.corpus == "book.txt" and a.vocab == 256
-    assert a.model == dict(num_layers=4, num_experts=16, topk=2, seq_length=128)
+    assert a.model == dict(num_layers=4, num_experts=16, top_k=2, seq_length=128)
     b = conv.parse_args(["--data-path", "/x/austen", "--vocab", "512"])
     assert b.text and b.data_path == "/x/austen" and b.vocab == 512
 

@@ -22,7 +22,7 @@ from megatron_hybridep.train.launch import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-SPEC = MoESpec(hidden=128, ffn=256, experts=8, topk=2, aux_loss_coeff=1e-2, seq=64, batch=2)
+SPEC = MoESpec(hidden=128, ffn=256, experts=8, top_k=2, aux_loss_coeff=1e-2, seq=64, batch=2)
 
 
 def _te_available() -> bool:
@@ -54,7 +54,7 @@ def _run(layer, spec: MoESpec, rank: int, fused: bool) -> dict[str, torch.Tensor
         got[f"fc1.{i}"], got[f"fc2.{i}"] = (fc1.main_grad, fc2.main_grad) if fused else (fc1.grad, fc2.grad)
     assert all(t.is_cuda for t in got.values())
     routing_map = seen[0].cpu()  # [tokens, experts] bool: the experts each token went to
-    top_idx = routing_map.nonzero()[:, 1].view(routing_map.shape[0], spec.topk)
+    top_idx = routing_map.nonzero()[:, 1].view(routing_map.shape[0], spec.top_k)
     return {k: v.double().cpu() for k, v in got.items()}, top_idx
 
 
@@ -62,13 +62,12 @@ def _gpu_case(ctx, plans, use_te: bool, fused: bool):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_hybridep.megatron import cpu_runtime, register, setup, teardown
+    from megatron_hybridep.megatron import cpu_runtime, setup, teardown
     from megatron_hybridep.testing import fused_wgrad
     from megatron_hybridep.testing.moe import build_moe_layer
 
     torch.cuda.set_device(0)  # every rank on the one GPU
     assert cpu_runtime.enable() is False  # CUDA present: Megatron untouched
-    register()
     ps.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
     model_parallel_cuda_manual_seed(7)
     spec = SPEC

@@ -16,7 +16,7 @@ def test_hybridep_layer_on_gpu_matches_alltoall(monkeypatch):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_hybridep.megatron import cpu_runtime, register, setup, teardown
+    from megatron_hybridep.megatron import cpu_runtime, setup, teardown
     from megatron_hybridep.plan.plan import Plan
     from megatron_hybridep.testing.moe import MoESpec, build_moe_layer, rank_input
 
@@ -26,10 +26,9 @@ def test_hybridep_layer_on_gpu_matches_alltoall(monkeypatch):
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
-        register()
         ps.initialize_model_parallel(expert_model_parallel_size=1)
         model_parallel_cuda_manual_seed(3)
-        spec = MoESpec(hidden=64, ffn=128, experts=8, topk=2, aux_loss_coeff=1e-2, seq=32, batch=4)
+        spec = MoESpec(hidden=64, ffn=128, experts=8, top_k=2, aux_loss_coeff=1e-2, seq=32, batch=4)
         results = {}
         for dispatcher in ("alltoall", "hybridep"):
             if dispatcher == "hybridep":

@@ -13,6 +13,18 @@ from megatron_hybridep.testing.exactness import scaled_error
 from megatron_hybridep.testing.moe import MoESpec, rank_input
 
 
+def init_ep_ranks(ctx, seed: int = 7) -> None:
+    """The CPU runtime, EP over every rank, and Megatron's model-parallel RNG seeded."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_hybridep.megatron import cpu_runtime
+
+    cpu_runtime.enable()
+    ps.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
+    model_parallel_cuda_manual_seed(seed)
+
+
 def run_steps(layer, spec: MoESpec, rank: int, world: int, steps: int, lr: float = 0.05):
     """``steps`` Adam steps on this rank's inputs: per step the output and the input, router and
     every local expert's gradients (experts by global index), then the parameters after them."""
@@ -39,16 +51,12 @@ def compare_with_oracle(ctx, plans: Sequence[Plan], specs: Sequence[MoESpec], st
     layer run the same steps; ``errors`` maps every traced tensor and parameter to its scaled error
     against the oracle's. Returns ``summarize(plan=, spec=, runtime=, oracle_stats=, errors=)`` per run."""
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_hybridep.megatron import cpu_runtime, register, setup, teardown
+    from megatron_hybridep.megatron import setup, teardown
     from megatron_hybridep.megatron.dispatcher import instrument
     from megatron_hybridep.runtime.instrument import Stats
 
-    cpu_runtime.enable()
-    register()
-    ps.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
-    model_parallel_cuda_manual_seed(7)
+    init_ep_ranks(ctx)
     report = []
     for spec in specs:
         oracle = build(spec, ctx.rank, ctx.world_size)

@@ -23,7 +23,7 @@ def _train_both(ctx, hold_copies):
     corpus = MarkovCorpus()
     out = {}
     for dispatcher in ("alltoall", "hybridep"):
-        args = GPTMoEArgs(expert_model_parallel_size=ctx.world_size, dispatcher=dispatcher, topk=2,
+        args = GPTMoEArgs(expert_model_parallel_size=ctx.world_size, dispatcher=dispatcher, top_k=2,
                           micro_batch_size=2, seq_length=32)
         initialize_parallel(args)
         runtime = None

@@ -32,7 +32,7 @@ def _build(spec, rank, world):
 
 
 def _summary(plan, spec, runtime, oracle_stats, errors):
-    return dict(plan=plan.label, topk=spec.topk, errors=errors,
+    return dict(plan=plan.label, top_k=spec.top_k, errors=errors,
                 counts=np.asarray(sum(runtime.stats.tokens_per_expert.values())),
                 ref_counts=np.asarray(sum(oracle_stats.tokens_per_expert.values())),
                 token_bytes=runtime.stats.bytes_by(group="rail"),
@@ -62,13 +62,13 @@ def _plans(world):
 @pytest.mark.exactness
 @pytest.mark.parametrize("world", [2, 4])
 def test_hot_replicas_match_alltoall(world):
-    specs = [MoESpec(topk=k, extra=SKEW, aux_loss_coeff=1e-2 if k == 2 else 0.0, dtype=torch.float64)
+    specs = [MoESpec(top_k=k, extra=SKEW, aux_loss_coeff=1e-2 if k == 2 else 0.0, dtype=torch.float64)
              for k in (1, 2)]
     results = run_ranks(_compare, world, _plans(world), specs, STEPS, timeout=500)
     for rank, report in enumerate(results):
         for r in report:
             bad = {k: v for k, v in r["errors"].items() if not v <= TOL}
-            assert not bad, f"rank {rank} plan {r['plan']} topk={r['topk']}: {dict(list(bad.items())[:6])}"
+            assert not bad, f"rank {rank} plan {r['plan']} top_k={r['top_k']}: {dict(list(bad.items())[:6])}"
             assert np.array_equal(r["counts"], r["ref_counts"]), (r["counts"], r["ref_counts"])
             assert r["token_bytes"] < r["oracle_bytes"]
     for r in results[0]:  # rank 0 owns expert 0, the hot one: it ships its weights, gets gradients back
@@ -106,7 +106,7 @@ def _gpt_both(ctx, plan_dict, steps):
     corpus = MarkovCorpus()
     out = {}
     for dispatcher in ("alltoall", "hybridep"):
-        args = GPTMoEArgs(expert_model_parallel_size=ctx.world_size, dispatcher=dispatcher, topk=2,
+        args = GPTMoEArgs(expert_model_parallel_size=ctx.world_size, dispatcher=dispatcher, top_k=2,
                           extra_config=SKEW, params_dtype=torch.float64)
         initialize_parallel(args)
         if dispatcher == "hybridep":

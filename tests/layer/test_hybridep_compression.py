@@ -12,16 +12,15 @@ from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.testing.moe import MoESpec, global_weights, rank_input
 from megatron_hybridep.train.launch import run_ranks
 
-SPEC = MoESpec(hidden=16, ffn=32, experts=4, topk=2, seq=8, batch=2)
+SPEC = MoESpec(hidden=16, ffn=32, experts=4, top_k=2, seq=8, batch=2)
 
 
 def _init(ctx):
     from megatron.core import parallel_state as ps
 
-    from megatron_hybridep.megatron import cpu_runtime, register
+    from megatron_hybridep.megatron import cpu_runtime
 
     cpu_runtime.enable()
-    register()
     ps.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
 
 

@@ -32,12 +32,11 @@ def test_domain_size_must_divide_the_level():
 def _build_without_setup(ctx):
     from megatron.core import parallel_state as ps
 
-    from megatron_hybridep.megatron import cpu_runtime, register
+    from megatron_hybridep.megatron import cpu_runtime
     from megatron_hybridep.megatron.moe_layer import HybridEPConfigError
     from megatron_hybridep.testing.moe import MoESpec, build_moe_layer
 
     cpu_runtime.enable()
-    register()
     ps.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
     messages = []
     for extra in ({}, {"expert_tensor_parallel_size": 2}):

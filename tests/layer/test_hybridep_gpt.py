@@ -25,7 +25,7 @@ def _train_both(ctx, plan_args):
     out = {}
     for dtype in (torch.float64, torch.float32):
         for dispatcher in ("alltoall", "hybridep"):
-            args = GPTMoEArgs(expert_model_parallel_size=ctx.world_size, dispatcher=dispatcher, topk=2,
+            args = GPTMoEArgs(expert_model_parallel_size=ctx.world_size, dispatcher=dispatcher, top_k=2,
                               params_dtype=dtype)
             initialize_parallel(args)
             if dispatcher == "hybridep":

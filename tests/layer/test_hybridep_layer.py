@@ -45,7 +45,7 @@ def _check(results, world):
     for rank, report in enumerate(results):
         for r in report:
             bad = {k: v for k, v in r["errors"].items() if not v <= TOL}
-            assert not bad, (f"rank {rank} plan {r['plan']} topk={r['spec'].topk}: "
+            assert not bad, (f"rank {rank} plan {r['plan']} topk={r['spec'].top_k}: "
                              f"{dict(list(bad.items())[:6])}")
             if r["domain"] == 1:  # plain EP: byte-for-byte the same traffic
                 assert r["token_bytes"] == r["oracle_bytes"] > 0
@@ -61,14 +61,14 @@ def _check(results, world):
 @pytest.mark.exactness
 @pytest.mark.parametrize("world", [2, 4])
 def test_hybridep_matches_alltoall(world):
-    specs = [MoESpec(topk=k, aux_loss_coeff=1e-2, dtype=torch.float64) for k in (1, 2, 4)]
+    specs = [MoESpec(top_k=k, aux_loss_coeff=1e-2, dtype=torch.float64) for k in (1, 2, 4)]
     _check(run_ranks(_compare, world, _plans(world), specs, STEPS, timeout=500), world)
 
 
 @pytest.mark.exactness
 def test_hybridep_exact_when_experts_get_no_tokens():
     """Two tokens per rank, top-1: most experts receive nothing, yet gradients still return."""
-    spec = MoESpec(topk=1, seq=2, batch=1, aux_loss_coeff=1e-2, dtype=torch.float64)
+    spec = MoESpec(top_k=1, seq=2, batch=1, aux_loss_coeff=1e-2, dtype=torch.float64)
     results = run_ranks(_compare, 4, _plans(4), [spec], 3, timeout=300)
     _check(results, 4)
     total = sum(r["counts"] for report in results for r in report[:1])

@@ -8,21 +8,18 @@ import torch
 from megatron_hybridep.testing.exactness import FP64_TOL, scaled_error
 from megatron_hybridep.testing.moe import MoESpec, rank_input, reference_grads
 from megatron_hybridep.train.launch import run_ranks
+from tests.layer.helpers import init_ep_ranks
 
 TOL = FP64_TOL
-CASES = [MoESpec(topk=k, aux_loss_coeff=aux, dtype=torch.float64) for k in (1, 2) for aux in (0.0, 1e-2)]
+CASES = [MoESpec(top_k=k, aux_loss_coeff=aux, dtype=torch.float64) for k in (1, 2) for aux in (0.0, 1e-2)]
 
 
 def _ep_case(ctx, cases):
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_hybridep.megatron import cpu_runtime
     from megatron_hybridep.testing.moe import build_moe_layer
 
-    cpu_runtime.enable()
-    ps.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
-    model_parallel_cuda_manual_seed(7)
+    init_ep_ranks(ctx)
     errors = []
     for spec in cases:
         layer = build_moe_layer(spec, ctx.rank, ctx.world_size)
@@ -40,7 +37,7 @@ def _ep_case(ctx, cases):
             e = ctx.rank * n_local + i
             err[f"fc1[{e}]"] = scaled_error(expert.linear_fc1.weight.grad, ref["fc1"][e])
             err[f"fc2[{e}]"] = scaled_error(expert.linear_fc2.weight.grad, ref["fc2"][e])
-        errors.append((spec.topk, spec.aux_loss_coeff, err))
+        errors.append((spec.top_k, spec.aux_loss_coeff, err))
     ps.destroy_model_parallel()
     return errors
 
@@ -50,15 +47,15 @@ def _ep_case(ctx, cases):
 def test_alltoall_ep_matches_single_process_reference(world):
     results = run_ranks(_ep_case, world, CASES, timeout=240)
     for rank, errors in enumerate(results):
-        for topk, aux, err in errors:
+        for top_k, aux, err in errors:
             bad = {k: v for k, v in err.items() if not v <= TOL}
-            assert not bad, f"rank {rank}/{world} topk={topk} aux={aux}: {bad}"
+            assert not bad, f"rank {rank}/{world} top_k={top_k} aux={aux}: {bad}"
 
 
 def test_reference_sees_aux_loss():
     """Guard against a vacuous oracle: the aux loss must change the router gradient."""
-    spec = MoESpec(topk=2)
+    spec = MoESpec(top_k=2)
     g = [
-        reference_grads(MoESpec(topk=2, aux_loss_coeff=c), 1, 0)["router"] for c in (0.0, 1.0)
+        reference_grads(MoESpec(top_k=2, aux_loss_coeff=c), 1, 0)["router"] for c in (0.0, 1.0)
     ]
     assert (g[0] - g[1]).abs().max() > 1e-3, spec

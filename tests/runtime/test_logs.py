@@ -55,3 +55,14 @@ def test_cpu_loop_drops_megatron_argument_table(capsys):
 
     _without_args_table(validate_args, None)
     assert capsys.readouterr().out.splitlines() == ["using world size: 4", "using torch.float32 for parameters ..."]
+
+
+def test_importing_logs_installs_nothing_and_the_fork_servers_preload_does():
+    import subprocess
+    import sys
+
+    code = ("import warnings; n = len(warnings.filters); import megatron_hybridep.runtime.logs; "
+            "a = len(warnings.filters); import megatron_hybridep.train.quiet_imports; "
+            "print(a - n, len(warnings.filters) - a)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "0" and int(out[1]) == len(logs.HARMLESS)

@@ -273,14 +273,14 @@ def _param_split(ctx, model_path):
 
 
 def test_harness_args_from_a_model_spec():
-    """GPTMoEArgs.from_model: the spec's shape (top_k as the harness's topk), run settings on top;
+    """GPTMoEArgs.from_model: the spec's shape, run settings on top;
     a spec build() cannot make is refused."""
     from megatron_hybridep.bench import predict as bp
     from megatron_hybridep.train.gpt import GPTMoEArgs
 
     args = GPTMoEArgs.from_model(bp.BUILTIN, seq_length=32, dispatcher="hybridep")
     assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.num_attention_heads, args.num_experts,
-            args.topk, args.vocab_size, args.seq_length, args.dispatcher) == (2, 64, 64, 4, 8, 2, 256, 32, "hybridep")
+            args.top_k, args.vocab_size, args.seq_length, args.dispatcher) == (2, 64, 64, 4, 8, 2, 256, 32, "hybridep")
     with pytest.raises(ValueError, match="gated.*fix"):
         GPTMoEArgs.from_model(bp.BUILTIN.replace(gated_mlp=True))
     with pytest.raises(ValueError, match="dense layers.*fix"):

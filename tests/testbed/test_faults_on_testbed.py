@@ -162,7 +162,7 @@ def test_a_killed_or_stalled_rank_is_named_by_its_peer(root_host, prefix, fault)
 
 
 def test_outage_cuts_a_dc_off_both_ways_and_heals(root_host, prefix):
-    from megatron_hybridep.runtime import reachability as R
+    from megatron_hybridep.train import reachability as R
 
     with Testbed(TestbedConfig(dcs=3, rate_mbit=100, prefix=prefix)) as tb:
         beacons = [netns.in_netns(tb.netns(dc), lambda dc=dc: R.Beacon(tb.address(dc))) for dc in range(3)]

@@ -76,3 +76,19 @@ def test_the_testbed_comparison_reads_pretrain_moes_log_line():
     steps, wan = bench.parse_log("\n".join(lines), warmup=1)
     assert steps == [3.1, 2.9] and wan == 524e3
     assert set(bench.systems(2, 4)) == {"ep", "hybridep", "pp", "pp-hybridep", "auto"}
+
+
+def test_the_planners_micro_batches_come_from_the_world_before_megatron_validates():
+    """The parent plans before Megatron's validation sets data_parallel_size: the global batch still
+    splits into micro-batches over DP = world / (TP x PP) (it was taken as one micro-batch, so auto
+    planned an 8x smaller batch here and chose a layout for it)."""
+    import pretrain_moe
+    from megatron_hybridep.train.planning import workload_for
+
+    args = pretrain_moe._args([*BASE, "--micro-batch-size", "8", "--global-batch-size", "256"])
+    assert getattr(args, "data_parallel_size", None) is None
+    assert workload_for(args, 4).micro_batches == 8 and workload_for(args, 8).micro_batches == 4
+    pp = pretrain_moe._args([*BASE, "--micro-batch-size", "8", "--global-batch-size", "256",
+                             "--pipeline-model-parallel-size", "2"])
+    assert workload_for(pp, 4).micro_batches == 16
+    assert workload_for(args).micro_batches == 1  # no world: as before (callers after validation have DP)

@@ -66,3 +66,26 @@ def test_the_report_names_the_plan_that_ran(ttl):
     assert ttl.chosen(log) == "TP1 PP1 EP4 DP4 / domains dc2 gpu1"  # three-word labels too
     assert ttl.chosen("[pretrain_moe] plan: ep (S=1); domains [[0]]") == "ep (S=1)"
     assert ttl.chosen("Megatron alltoall") == ""
+
+
+def test_model_flags_follow_the_models_own(ttl, monkeypatch):
+    import argparse
+
+    from megatron_hybridep.testbed import launcher
+
+    seen = {}
+
+    class Testbed:
+        def launch(self, cmd, **_):
+            seen["cmd"] = [str(c) for c in cmd]
+            raise RuntimeError("stop here")
+
+    monkeypatch.setattr(launcher, "python_cmd", lambda *a: list(a))
+    args = argparse.Namespace(model_flags="--hidden-size 32 --micro-batch-size 8", global_batch=16, iters=4, seed=1,
+                              data_path="x", timeout=1)
+    with pytest.raises(RuntimeError, match="stop here"):
+        ttl.run_one(Testbed(), ["--expert-model-parallel-size", "4"], args, Path("t.yaml"))
+    cmd = seen["cmd"]
+    model_end = cmd.index(ttl.MODEL[-1]) + 1
+    assert cmd[model_end:model_end + 4] == ["--hidden-size", "32", "--micro-batch-size", "8"]  # later flags win
+    assert cmd[-2:] == ["--expert-model-parallel-size", "4"]

@@ -16,7 +16,7 @@ from megatron_hybridep.runtime.scheduler import Measurement, PlanScheduler, Sche
 from megatron_hybridep.testing.exactness import FP64_TOL, scaled_error
 from megatron_hybridep.train.launch import run_ranks
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 TOPO = Topology.from_yaml(os.path.join(REPO, "configs", "topologies", "2dc_x_8.yaml"))
 WORK = Workload.from_yaml(os.path.join(REPO, "configs", "models", "paper-s.yaml")).replace(
     tokens_per_rank=1024)

@@ -4,7 +4,7 @@ import os
 
 from megatron_hybridep.cli import main
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def test_explain_names_the_deciding_phases(capsys):

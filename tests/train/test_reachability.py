@@ -1,8 +1,8 @@
-"""The peer probe behind the one-line error of a failed collective (runtime/reachability.py)."""
+"""The peer probe behind the one-line error of a failed collective (train/reachability.py)."""
 
 import socket
 
-from megatron_hybridep.runtime import reachability as R
+from megatron_hybridep.train import reachability as R
 
 
 def _closed_port() -> int:
@@ -77,7 +77,7 @@ def _stopped_child(port_file):
     import os
     import time
 
-    from megatron_hybridep.runtime import reachability
+    from megatron_hybridep.train import reachability
 
     beacon = reachability.Beacon("127.0.0.1", status=lambda: "7 3 0.0 end of iteration")
     with open(port_file + ".tmp", "w") as f:

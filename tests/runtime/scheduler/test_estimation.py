@@ -21,7 +21,7 @@ from megatron_hybridep.runtime.scheduler import (
     per_rank_gbps,
 )
 from megatron_hybridep.train.launch import run_ranks
-from tests.scheduler.test_scheduler import FakeRuntime
+from tests.runtime.scheduler.test_scheduler import FakeRuntime
 
 # The replan demo's world: 2 DCs x 2 ranks, a 2048-token-per-rank GPT-MoE with small experts.
 # Fast WAN: all four ranks share every expert (S=4, no token traffic); slow WAN: pairs across the DCs.
