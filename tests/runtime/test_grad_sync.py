@@ -98,7 +98,7 @@ def test_gpu_train_step_wrapper_installs_grad_sync(monkeypatch):
     from megatron_hybridep.runtime import context
 
     runtime = _Runtime()
-    runtime.scheduler, runtime.step = None, 0
+    runtime.scheduler, runtime.step, runtime.post_step_due, runtime.boundary = None, 0, False, None
     runtime.after_optimizer_step = lambda: None
     seen = {}
 
@@ -114,6 +114,7 @@ def test_gpu_train_step_wrapper_installs_grad_sync(monkeypatch):
     assert getattr(seen["no_sync"], "_hybridep", False)
     assert getattr(config.finalize_model_grads_func, "_hybridep", False)
     assert runtime.async_grad_return  # asked for, and DDP does not overlap its reduction
+    assert runtime.post_step_due  # the post-step runs at the start of the next train_step
 
 
 @pytest.mark.parametrize("asked", [True, False])
