@@ -184,8 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         prepare_corpus()  # idempotent: "up to date" when already prepared
         args.data_path = default_prefix(None, austen.default_cache())
     world = args.dcs * args.ranks_per_dc
-    table = {k: v for k, v in systems(args.dcs, world, args.ratio, args.grad_ratio).items()
-             if k in args.systems.split(",")}
+    known = systems(args.dcs, world, args.ratio, args.grad_ratio)
+    unknown = [k for k in args.systems.split(",") if k not in known]
+    if unknown:
+        p.error(f"--systems: unknown {', '.join(unknown)}; fix: choose from {', '.join(known)}")
+    table = {k: known[k] for k in args.systems.split(",")}  # run in the order given
     if args.reference not in table:
         p.error(f"--systems: the target is {args.reference}'s loss; fix: keep {args.reference} in the list or "
                 "change --reference")
@@ -194,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path.cwd()
     out.mkdir(parents=True, exist_ok=True)
     topology = write_topology(out / "topology.yaml", args.dcs, args.ranks_per_dc, args.rate, args.intra_gbps)
-    print("# " + " ".join([sys.executable, *sys.argv]), flush=True)
+    print("# " + shlex.join([sys.executable, *sys.argv]), flush=True)
     from megatron_hybridep.testbed import Testbed, TestbedConfig
 
     runs: dict[str, list] = {s: [] for s in table}
@@ -207,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{statistics.median(x[2] for x in last):.2f} s", flush=True)
     text, numbers = report(runs, args)
     print("\n" + text)
-    (out / "results.md").write_text(text + "\n\ncommand: " + " ".join(sys.argv) + "\n")
+    (out / "results.md").write_text(text + "\n\ncommand: " + shlex.join(sys.argv) + "\n")
     (out / "results.json").write_text(json.dumps({"args": vars(args), "runs": runs, "target": numbers["target"]},
                                                  indent=1))
     plot(numbers, out / "loss_vs_time.png", f"{args.dcs} DCs x {args.ranks_per_dc} at {args.rate:g} Mbit/s")
