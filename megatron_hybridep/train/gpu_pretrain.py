@@ -51,10 +51,15 @@ def _masked_loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.T
     return total, tokens, {"lm loss": report}
 
 
+def _device() -> torch.device:
+    """The model's device: this rank's GPU (set by Megatron's initialisation, so looked up when
+    needed), or the CPU under cpu_runtime (the CPU tests of this path)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _gpu_forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Any]:
     batch = next(data_iterator)
-    # the model's device: the current GPU (.cuda()), or the CPU under cpu_runtime (CPU tests)
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    device = _device()
     tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
     loss_mask = batch["loss_mask"].to(device)
     position_ids = batch["position_ids"].to(device)
@@ -79,12 +84,10 @@ def _datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | No
 
 
 def _load_runtime_state(path: str, runtime: Any) -> bool:
-    """Megatron restores its own RNG; the runtime's tensors go to this rank's GPU (set by Megatron's
-    initialisation, so looked up here), or to the CPU under the tests."""
+    """Megatron restores its own RNG; the runtime's tensors go to the model's device."""
     from megatron_hybridep.train import checkpoint
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    return checkpoint.load_extra(path, runtime, rng=False, device=device)
+    return checkpoint.load_extra(path, runtime, rng=False, device=_device())
 
 
 def pretrain(args: argparse.Namespace) -> int:
