@@ -9,7 +9,8 @@ Systems (each with --overlap-grad-reduce, as a Megatron user runs it):
 - ep: alltoall EP over every rank;              - replicated: Megatron EP inside each DC;
 - hybridep: the planner's exact plan;           - hybridep-c: weights at --ratio and returned gradients
 - pp: one pipeline stage per DC, EP inside it;    at --grad-ratio (shared + top-k, top-k + error feedback);
-- auto: --hybridep-layout auto.
+- auto: --hybridep-layout auto;                 - auto-c: the same with hybridep-c's ratios (the planner
+                                                  compresses only where it pays).
 The target is the loss the --reference system (default: alltoall EP) reaches at --target-at of its
 run (default: its last iteration); every curve is a moving mean over
 --window logged iterations (one iteration's loss on one batch is noisy). Every system starts from
@@ -49,7 +50,7 @@ def systems(dcs: int, world: int, ratio: float, grad_ratio: float = 10.0) -> dic
             "hybridep": ["--expert-model-parallel-size", str(world)],
             "hybridep-c": ["--expert-model-parallel-size", str(world), *comp],
             "pp": ["--moe-token-dispatcher-type", "alltoall", *pp],
-            "auto": ["--hybridep-layout", "auto"]}
+            "auto": ["--hybridep-layout", "auto"], "auto-c": ["--hybridep-layout", "auto", *comp]}
 
 
 def parse_log(text: str) -> list[tuple[int, float, float]]:

@@ -53,13 +53,14 @@ def analyse(cfg: BenchConfig, session: Session, events: list[dict[str, Any]], el
 
 
 def with_auto_rows(rows: list[br.Row], session: Session) -> list[br.Row]:
-    """Where the auto layout was a system measured at that point (not run again), that system's row
-    as auto's too, labelled with the layout and what it equals."""
+    """Where an auto layout (auto, auto-c) was a system measured at that point (not run again), that
+    system's row as its own too, labelled with the layout and what it equals."""
     extra = []
-    for point, same in session.info.get("auto_same_as", {}).items():
-        row = next(r for r in rows if r.point == int(point) and r.system == same)
-        lay = session.layouts[(int(point), "auto")]
-        extra.append(dataclasses.replace(row, system="auto", plan=f"PP{lay.pp} EP{lay.ep} (= {same})"))
+    for key, same in sorted(session.info.get("same_as", {}).items(), key=lambda kv: SYSTEMS.index(kv[0].split()[1])):
+        point, system = int(key.split()[0]), key.split()[1]
+        row = next(r for r in rows + extra if r.point == point and r.system == same)
+        lay = session.layouts[(point, system)]
+        extra.append(dataclasses.replace(row, system=system, plan=f"PP{lay.pp} EP{lay.ep} (= {same})"))
     return sorted(rows + extra, key=lambda r: (r.point, SYSTEMS.index(r.system)))
 
 
@@ -186,7 +187,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         "dense_params": dense_params,
         "hybridep_plans": session.info["chosen"], "planner_best_overall": session.info["planner_best"],
         "layouts": session.info.get("layouts", {}),  # pp's and auto's layout and stage plan per "point system"
-        "auto_same_as": session.info.get("auto_same_as", {}),  # point -> the system whose layout auto chose
+        "same_as": session.info.get("same_as", {}),  # "point system" -> the system whose layout auto(-c) chose
         "overlap_grad_reduce": cfg.overlap_grad_reduce,
         "grad_compression_ratio": cfg.grad_compression_ratio,
         "targets": [c.__dict__ for c in checks],

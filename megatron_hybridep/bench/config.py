@@ -17,12 +17,16 @@ from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO
 from megatron_hybridep.testbed.sh import TestbedError
 from megatron_hybridep.testbed.shaping import parse_rate_mbit
 
-SYSTEMS = ("ep", "replicated", "hybridep", "hybridep-compressed", "pp", "auto")
+SYSTEMS = ("ep", "replicated", "hybridep", "hybridep-compressed", "pp", "auto", "auto-c")
 COMPRESSED = "hybridep-compressed"  # HybridEP with weights and returned gradients top-k compressed
 # pp: one pipeline stage per DC (PP = DCs), alltoall EP inside each DC: the layout Megatron's rank order
-# gives a job launched DC by DC; auto: the layout planner's choice (plan/layout.py; TP 1 on CPU).
+# gives a job launched DC by DC; auto: the layout planner's choice (plan/layout.py; TP 1 on CPU) among
+# exact plans; auto-c: its choice when the user allows HybridEP-c's compression (what
+# `--hybridep-layout auto --hybridep-compression-ratio R` plans), which it takes only where it pays.
 # Layouts with PP run PP x the micro-batches per iteration: the same global batch on world / PP ranks.
-LAYOUTS = ("pp", "auto")
+AUTO = ("auto", "auto-c")
+LAYOUTS = ("pp", *AUTO)
+PRICED_COMPRESSED = (COMPRESSED, "auto-c")  # systems planned and priced with the compression ratios
 SPAN = 32  # token traffic range of the sweep (paper: 6..192 MB)
 DEFAULTS: dict[str, Any] = {"dcs": 2, "ranks_per_dc": 2, "rate": "50mbit", "points": 6, "min_tokens": 128,
                             "seq": 128, "warmup": 2, "iters": 7, "systems": ",".join(SYSTEMS), "timeout": 1800.0,
@@ -135,7 +139,7 @@ class BenchConfig:
                  "--points", str(len(self.points)), "--min-tokens", str(self.min_tokens), "--seq", str(self.seq),
                  "--warmup", str(self.warmup), "--iters", str(self.iters), "--systems", ",".join(self.systems),
                  "--burst-ms", f"{self.burst_ms:g}"]
-        if COMPRESSED in self.systems:
+        if any(s in self.systems for s in PRICED_COMPRESSED):
             argv += ["--compression-ratio", f"{self.compression_ratio:g}",
                      "--grad-compression-ratio", f"{self.grad_compression_ratio:g}"]
         argv += ["--micro-batches", str(self.micro_batches)]

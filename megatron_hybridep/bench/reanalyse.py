@@ -74,5 +74,6 @@ def reanalyse(out: Path) -> dict[str, Any]:
         session.layouts[(int(point), system)] = Layout(**ran["layout"])
         session.chosen[(int(point), system)] = Plan.from_dict(ran["plan"])
     session.info["layouts"] = dict(summary.get("layouts", {}))
-    session.info["auto_same_as"] = dict(summary.get("auto_same_as", {}))
+    session.info["same_as"] = {**{f"{p} auto": s for p, s in summary.get("auto_same_as", {}).items()},  # older runs
+                               **summary.get("same_as", {})}
     return analyse(cfg, session, session.events, float(summary["elapsed_s"]))

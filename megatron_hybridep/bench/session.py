@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from megatron_hybridep.bench import predict as bp
-from megatron_hybridep.bench.config import COMPRESSED, LAYOUTS, SYSTEMS, BenchConfig, BenchError
+from megatron_hybridep.bench.config import (
+    AUTO,
+    COMPRESSED,
+    LAYOUTS,
+    PRICED_COMPRESSED,
+    SYSTEMS,
+    BenchConfig,
+    BenchError,
+)
 from megatron_hybridep.plan.layout import Layout, is_hybridep
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.testbed.network import Testbed
@@ -60,7 +68,7 @@ class Session:
     candidates: list[Plan] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)  # rank 0's, from the control requests
     chosen: dict[tuple[int, str], Plan] = field(default_factory=dict)  # the plan per (point, system): HybridEP's,
-    #   and a layout system's (plain EP over a stage's ranks for pp; the layout planner's for auto)
+    #   and a layout system's (plain EP over a stage's ranks for pp; the layout planner's for auto, auto-c)
     layouts: dict[tuple[int, str], Layout] = field(default_factory=dict)  # pp's and auto's layout per point
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -124,7 +132,7 @@ class Session:
         if op == "shape":
             assert self.current is not None
             self.set_shaped(True)
-            hybrid = self.current[1].startswith("hybridep") or (self.current[1] == "auto"
+            hybrid = self.current[1].startswith("hybridep") or (self.current[1] in AUTO
                                                                  and is_hybridep(self.chosen[self.current]))
             return {"measure": [0] if hybrid else [None]}
         raise BenchError(f"control: unknown request {request!r} from the rank 0 worker")
@@ -136,36 +144,41 @@ class Session:
                                  "warmup": self.cfg.warmup, "iters": self.cfg.iters}
         if system.startswith("hybridep"):  # EP ran first at this point: its calibration feeds the planner
             order["plans"] = [self.choose_plan(point, system).to_dict()]
-        if system == COMPRESSED:
-            order["compression_ratio"] = self.cfg.compression_ratio
-            order["grad_compression_ratio"] = self.cfg.grad_compression_ratio
         if system in LAYOUTS:
             order.update(self.choose_layout(point, system))
-            same = self.same_system(point) if system == "auto" else None
+            same = self.same_system(point, system) if system in AUTO else None
             if same is not None:
-                self.info.setdefault("auto_same_as", {})[str(point)] = same
-                self.say(f"point {point}: auto chose {order['layout']['name']}, the {same} system's layout: "
+                self.info.setdefault("same_as", {})[f"{point} {system}"] = same
+                self.say(f"point {point}: {system} chose {order['layout']['name']}, the {same} system's layout: "
                          "its measurement stands for both")
                 return None
+        if system in PRICED_COMPRESSED and order.get("plans"):  # auto-c runs compressed only in a hybridep plan
+            order["compression_ratio"] = self.cfg.compression_ratio
+            order["grad_compression_ratio"] = self.cfg.grad_compression_ratio
         return order
 
-    def same_system(self, point: int) -> str | None:
+    def same_system(self, point: int, system: str = "auto") -> str | None:
         """The system run earlier at ``point`` (in this run's queue order) whose configuration is the
-        auto layout's: the same stages, EP size, micro-batches, dispatcher and (HybridEP) plan."""
-        lay, plan = self.layouts[(point, "auto")], self.chosen[(point, "auto")]
+        ``system`` layout's (auto or auto-c): the same stages, EP size, micro-batches, dispatcher,
+        (HybridEP) plan and compression."""
+        lay, plan = self.layouts[(point, system)], self.chosen[(point, system)]
         world, per_dc, m = self.cfg.world, self.cfg.ranks_per_dc, self.cfg.micro_batches
         if lay.tp != 1:
             return None
         if is_hybridep(plan):
-            other = self.chosen.get((point, "hybridep"))
+            twin = COMPRESSED if system in PRICED_COMPRESSED else "hybridep"
+            other = self.chosen.get((point, twin))
             same = (lay.pp == 1 and lay.ep == world and lay.micro_batches == m and other is not None
                     and _bare(other) == _bare(plan))
-            return "hybridep" if same else None
+            return twin if same else None
         pp = bp.pp_layout(self.cfg.dcs, per_dc, m)
-        for system, key in (("ep", (1, world, m)), ("replicated", (1, per_dc, m)),
-                            ("pp", (pp.pp, pp.ep, pp.micro_batches))):  # all queued before auto
-            if system in self.cfg.systems and (lay.pp, lay.ep, lay.micro_batches) == key:
-                return system
+        for other, key in (("ep", (1, world, m)), ("replicated", (1, per_dc, m)),
+                           ("pp", (pp.pp, pp.ep, pp.micro_batches))):  # all queued before auto
+            if other in self.cfg.systems and (lay.pp, lay.ep, lay.micro_batches) == key:
+                return other
+        if system != "auto" and (point, "auto") in self.layouts:  # auto-c's plain choice, run as auto
+            if (self.layouts[(point, "auto")], _bare(self.chosen[(point, "auto")])) == (lay, _bare(plan)):
+                return "auto"
         return None
 
     def topology(self, shaped: bool) -> Any:
@@ -182,7 +195,7 @@ class Session:
         dense = next((m["dense_params"] for m in events if m["event"] == "model" and m["system"] == "ep"), None)
         mode = {"micro_batches": self.cfg.micro_batches, "hold_copies": self.cfg.hold_copies,
                 "overlap_grad_reduce": self.cfg.overlap_grad_reduce, "dense_params": dense}
-        if system != COMPRESSED:
+        if system not in PRICED_COMPRESSED:
             return calib.workload(self.cfg.model, point["tokens"], point["seq"], **mode)
         sync = next((m.get("shared_sync_bytes_per_layer", 0.0) for m in events if m["event"] == "model"
                      and m["system"] == COMPRESSED), 0.0)
@@ -201,14 +214,15 @@ class Session:
 
     def choose_layout(self, point: int, system: str) -> dict[str, Any]:
         """A layout system's order fields: its stages, EP size, micro-batches, dispatcher and plan.
-        pp: one stage per DC, alltoall EP inside it; auto: the layout planner's choice from EP's
-        calibration of this point (HybridEP's dispatcher where its plan needs it)."""
+        pp: one stage per DC, alltoall EP inside it; auto (auto-c): the layout planner's choice from EP's
+        calibration of this point, exact (with HybridEP-c's ratios priced); HybridEP's dispatcher where
+        its plan needs it."""
         shaped = self.topology(shaped=True)
         if system == "pp":
             layout = bp.pp_layout(self.cfg.dcs, self.cfg.ranks_per_dc, self.cfg.micro_batches)
             plan = bp.stage_plan(shaped, layout.pp, layout.ep, self.cfg.model.num_experts)
         else:
-            choice = bp.choose_layout(shaped, self.workload(self.cfg.points[point], self.events))
+            choice = bp.choose_layout(shaped, self.workload(self.cfg.points[point], self.events, system))
             layout, plan = choice.layout, dataclasses.replace(choice.best.plan, predicted={}, link_bytes={})
         self.layouts[(point, system)], self.chosen[(point, system)] = layout, plan
         self.info.setdefault("layouts", {})[f"{point} {system}"] = {"layout": dataclasses.asdict(layout),

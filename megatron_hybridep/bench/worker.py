@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_hybridep.bench.config import LAYOUTS
 from megatron_hybridep.bench.control import CONTROL_ENV, ControlClient
 from megatron_hybridep.bench.predict import MEASURED
 from megatron_hybridep.plan.model import ModelSpec
@@ -178,7 +179,7 @@ class Worker:
     # ---- one system -----------------------------------------------------------------------------
     def _args(self, order: dict[str, Any]) -> Any:
         """GPTMoEArgs of the ordered system: ep / hybridep* over every rank, replicated over a DC's
-        ranks, pp / auto in the order's layout (stages outermost, as Megatron orders ranks)."""
+        ranks, pp / auto / auto-c in the order's layout (stages outermost, as Megatron orders ranks)."""
         from megatron_hybridep.train.gpt import GPTMoEArgs
 
         system = order["system"]
@@ -193,7 +194,7 @@ class Worker:
             return args(dispatcher="alltoall", expert_model_parallel_size=self.ranks_per_dc)
         if system in ("hybridep", "hybridep-compressed"):
             return args(dispatcher="hybridep", expert_model_parallel_size=self.world)
-        if system in ("pp", "auto"):
+        if system in LAYOUTS:
             lay = order["layout"]
             return args(dispatcher=order["dispatcher"], expert_model_parallel_size=lay["ep"],
                         pipeline_model_parallel_size=lay["pp"])

@@ -266,11 +266,15 @@ def verdict(results: list[LayoutResult]) -> str:
                     f"({h.hybrid_step / best.step:.2f}x slower)" if h else "; no hybridep plan fits")
         return (f"hybridep does not pay here: the best layout is a plain Megatron one, {_name(best, best.best)} "
                 f"({seconds_human(best.step)}){tail}")
+    w = best.workload
+    lossy = (f", with compressed migration (weights {w.compression_ratio:g}x, returned gradients "
+             f"{w.grad_compression_ratio:g}x: a cost in model quality, docs/compression.md)"
+             if max(w.compression_ratio, w.grad_compression_ratio) > 1 else "")
     if base is None:
-        return f"hybridep pays: {_name(best, best.best)}; no layout fits without it"
+        return f"hybridep pays: {_name(best, best.best)}{lossy}; no layout fits without it"
     return (f"hybridep pays: {_name(best, best.best)} ({seconds_human(best.step)}) is "
             f"{base.megatron_step / best.step:.2f}x faster than the best Megatron layout without it, "
-            f"{_name(base, base.megatron)} ({seconds_human(base.megatron_step)})")
+            f"{_name(base, base.megatron)} ({seconds_human(base.megatron_step)}){lossy}")
 
 
 def format_layouts(results: list[LayoutResult], top: int | None = None) -> str:

@@ -153,6 +153,27 @@ def test_hybridep_wins_when_tokens_dominate_and_experts_are_small():
     assert text.splitlines()[2].startswith("*") and best.layout.label in text.splitlines()[2]
 
 
+def test_allowed_compression_combines_stages_with_hybridep_across_the_dcs_of_a_stage():
+    # 4 DCs x 2 at 1 Gbit/s, 8.4M-parameter experts, 1024 tokens per micro-batch: exact, one stage per GPU
+    # wins (only activations cross the WAN). Shipping the experts at 50x (gradients 10x) makes two stages
+    # of two DCs each, with domains across the two DCs of a stage, the fastest: PP and HybridEP at once
+    def choice(ratio: float, grad_ratio: float):
+        w = small(hidden_size=256, ffn_hidden_size=16384, top_k=2, num_moe_layers=8, tokens_per_rank=1024,
+                  micro_batches=8, compression_ratio=ratio, grad_compression_ratio=grad_ratio)
+        return plan_layouts(dcs(4, 2, wan=1.0), w)
+
+    exact = choice(1.0, 1.0)
+    assert not exact[0].hybridep and exact[0].layout.pp == 8
+    assert "compressed migration" not in format_layouts(exact)
+    lossy = choice(50.0, 10.0)
+    best = lossy[0]
+    assert best.hybridep and best.layout.pp == 2 and best.layout.stage == "2 dc x 2 gpu"
+    assert best.best.plan.domain_sizes == (2, 1)  # the two DCs of a stage share their experts
+    assert best.step < exact[0].step  # the plain layouts price the same either way
+    assert min(r.megatron_step for r in lossy) == pytest.approx(min(r.megatron_step for r in exact))
+    assert "with compressed migration (weights 50x, returned gradients 10x" in format_layouts(lossy)
+
+
 def test_a_tie_goes_to_the_plain_megatron_layout():
     # the hybridep-wins workload: hybridep is predicted > 1.3x faster than any plain layout. With a
     # margin above that gap the plain layout is chosen, running its plain plan; below it, hybridep

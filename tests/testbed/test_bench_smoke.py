@@ -41,7 +41,7 @@ def smoke_m1(tmp_path_factory):
 
 def test_bench_smoke_end_to_end(smoke_m1):
     out, rows, stdout, elapsed = smoke_m1
-    systems = {"ep", "replicated", "hybridep", "hybridep-compressed", "pp", "auto"}
+    systems = {"ep", "replicated", "hybridep", "hybridep-compressed", "pp", "auto", "auto-c"}
     cells = {(int(r["point"]), r["system"]) for r in rows}
     assert cells == {(p, s) for p in range(SMOKE["points"]) for s in systems}, cells
     for r in rows:
@@ -62,7 +62,7 @@ def test_bench_smoke_end_to_end(smoke_m1):
     assert all(r["plan"] == "PP2 EP2" and float(r["pred_pipeline_send_s"]) > 0 for r in pp), pp
     assert all(r["micro_batches"] == "2" for r in pp)  # the same global batch on half the DP ranks
     summary_layouts = json.loads((out / "summary.json").read_text())["layouts"]
-    assert {k.split()[1] for k in summary_layouts} == {"pp", "auto"}
+    assert {k.split()[1] for k in summary_layouts} == {"pp", "auto", "auto-c"}
     assert (out / "bench.png").stat().st_size > 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["command"].startswith("python -m megatron_hybridep bench")
@@ -132,7 +132,7 @@ def test_default_sweep_spans_32x_as_micro_batch_times_seq():
     assert tokens == [128, 256, 512, 1024, 2048, 4096]
     assert all(p["micro_batch"] * p["seq"] == p["tokens"] for p in cfg.points)
     assert "--rate 50mbit" in cfg.command() and "--points 6" in cfg.command()
-    assert cfg.systems == ["ep", "replicated", "hybridep", "hybridep-compressed", "pp", "auto"]
+    assert cfg.systems == ["ep", "replicated", "hybridep", "hybridep-compressed", "pp", "auto", "auto-c"]
     assert "--compression-ratio 50" in cfg.command() and "--burst-ms 1" in cfg.command()
     # returned gradients at the runtime's quality cap unless asked (docs/compression.md)
     assert cfg.grad_compression_ratio == 10 and "--grad-compression-ratio 10" in cfg.command()
@@ -351,10 +351,24 @@ def test_an_auto_layout_that_is_a_measured_system_stands_for_it_instead_of_runni
     assert auto(Layout(1, 1, 8, 8, 8), hybrid) == "hybridep"  # the same plan, the planner's figures aside
     assert auto(Layout(1, 1, 8, 8, 8), Plan.grid((4, 2), (4, 1), experts, ("dc", "gpu"))) is None
 
-    session.layouts[(0, "auto")] = Layout(1, 1, 2, 8, 8)
-    session.info["auto_same_as"] = {"0": "replicated"}
+    # auto-c (compression allowed): its HybridEP plan is HybridEP-c's run, not exact HybridEP's
+    def auto_c(layout, plan):
+        session.layouts[(0, "auto-c")], session.chosen[(0, "auto-c")] = layout, plan
+        return session.same_system(0, "auto-c")
+
+    assert auto_c(Layout(1, 1, 8, 8, 8), hybrid) is None  # HybridEP-c did not run this plan
+    session.chosen[(0, "hybridep-compressed")] = hybrid
+    assert auto_c(Layout(1, 1, 8, 8, 8), hybrid) == "hybridep-compressed"
+    assert auto_c(Layout(1, 1, 2, 8, 8), bp.stage_plan(topo, 1, 2, experts)) == "replicated"
+    two_stages = Layout(1, 2, 4, 4, 16)
+    auto(two_stages, bp.stage_plan(topo, 2, 4, experts))  # auto ran a layout no system did: auto-c's too
+    assert auto_c(two_stages, bp.stage_plan(topo, 2, 4, experts)) == "auto"
+
+    session.layouts[(0, "auto")] = session.layouts[(0, "auto-c")] = Layout(1, 1, 2, 8, 8)
+    session.info["same_as"] = {"0 auto-c": "auto", "0 auto": "replicated"}  # auto-c's row copies auto's
     blank = Row(**{f.name: 0 for f in dataclasses.fields(Row)})
     base = [dataclasses.replace(blank, system=s, plan=s, median_s=t) for s, t in (("ep", 3.0), ("replicated", 2.0))]
     rows = with_auto_rows(base, session)
     assert [(r.system, r.plan, r.median_s) for r in rows] == [
-        ("ep", "ep", 3.0), ("replicated", "replicated", 2.0), ("auto", "PP1 EP2 (= replicated)", 2.0)]
+        ("ep", "ep", 3.0), ("replicated", "replicated", 2.0), ("auto", "PP1 EP2 (= replicated)", 2.0),
+        ("auto-c", "PP1 EP2 (= auto)", 2.0)]

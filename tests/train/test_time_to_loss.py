@@ -36,10 +36,11 @@ def test_steps_and_seconds_to_the_target(ttl):
 
 def test_every_system_trains_with_the_overlap_flag_and_the_same_data(ttl):
     table = ttl.systems(2, 4, 50.0)
-    assert set(table) == {"ep", "replicated", "hybridep", "hybridep-c", "pp", "auto"}
+    assert set(table) == {"ep", "replicated", "hybridep", "hybridep-c", "pp", "auto", "auto-c"}
     assert "--overlap-grad-reduce" in ttl.MODEL
     assert table["hybridep-c"][-6:] == ["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio",
                                         "10", "--hybridep-max-grad-compression-ratio", "0"]
+    assert table["auto-c"] == [*table["auto"], *table["hybridep-c"][-6:]]  # the planner prices the same ratios
     assert table["pp"][:2] == ["--moe-token-dispatcher-type", "alltoall"] and "--pipeline-model-parallel-size" in \
         table["pp"]
 
