@@ -68,10 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HTB bucket of each uplink as time at the rate (TestbedConfig.burst_ms; default "
                              "1 ms, like a real link that banks no idle time; 0 keeps the testbed's >= 70 KB)")
     parser.add_argument("--compression-ratio", type=float, default=None,
-                        help=f"{COMPRESSED}: element ratio of the shipped expert weights "
+                        help=f"{COMPRESSED} and auto-c: element ratio of the shipped expert weights "
                              f"(shared + top-k residual) (default {d['compression_ratio']:g})")
     parser.add_argument("--grad-compression-ratio", type=float, default=None,
-                        help=f"{COMPRESSED}: element ratio of the returned gradients (top-k, error feedback); "
+                        help=f"{COMPRESSED} and auto-c: element ratio of the returned gradients (top-k, error "
+                             "feedback); "
                              f"default {d['grad_compression_ratio']:g}, the runtime's quality cap "
                              "(docs/compression.md)")
     parser.add_argument("--micro-batches", type=int, default=None,

@@ -58,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--layout", choices=("auto",),
                      help="auto: also choose the Megatron layout (TP, PP, EP, DP) for the same global batch "
                           "(--tokens-per-rank and --micro-batches describe TP 1 x PP 1) and print one row per "
-                          "layout with its best plan, against the best layout without hybridep (plan/layout.py)")
+                          "layout with its best plan, against the best layout without hybridep (plan/layout.py); "
+                          "with --compression-ratio / --grad-compression-ratio its HybridEP plans are priced "
+                          "compressed (the choice may then compress: a cost in model quality)")
 
 
 def _topology(args: argparse.Namespace) -> Topology:
