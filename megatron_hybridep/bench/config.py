@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_hybridep.bench import predict as bp
+from megatron_hybridep.bench.report import AUTO  # the report (a leaf module) holds the one definition
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.model import ModelSpec
 from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO
@@ -24,7 +25,6 @@ COMPRESSED = "hybridep-compressed"  # HybridEP with weights and returned gradien
 # exact plans; auto-c: its choice when the user allows HybridEP-c's compression (what
 # `--hybridep-layout auto --hybridep-compression-ratio R` plans), which it takes only where it pays.
 # Layouts with PP run PP x the micro-batches per iteration: the same global batch on world / PP ranks.
-AUTO = ("auto", "auto-c")
 LAYOUTS = ("pp", *AUTO)
 PRICED_COMPRESSED = (COMPRESSED, "auto-c")  # systems planned and priced with the compression ratios
 SPAN = 32  # token traffic range of the sweep (paper: 6..192 MB)
