@@ -10,6 +10,11 @@ shared expert, the paper's ablation). Prints the loss table, writes CSV + PNG.
     python benchmarks/convergence.py --steps 600 --vocab 32 --order 2 --init upcycled --seeds 1,2,3
     python benchmarks/convergence.py --steps 600 --corpus austen        # Jane Austen, bytes as tokens
     python benchmarks/convergence.py --steps 600 --data-path PREFIX     # from scripts/prepare_corpus
+    python benchmarks/convergence.py --steps 400 --corpus austen --lr-decay-style cosine --lr-warmup-iters 40 \
+        --domain 2,2 --systems alltoall,exact,w50g10    # Megatron's LR schedule; one domain of all 4 ranks
+
+Besides the loss at equal steps it prints the steps each run needs to reach alltoall's loss at
+--target-at of the run (same seed): compression's cost in training steps.
 """
 
 from __future__ import annotations
@@ -67,8 +72,19 @@ def system_config(system: str, refresh: int = 10):  # noqa: ANN201 - MigrationCo
                            grad_warmup_steps=int(m["wu"] or 0))
 
 
+def lr_schedule(optimizer, lr: float, steps: int, style: str, warmup: int, min_lr: float):  # noqa: ANN201
+    """Megatron's OptimizerParamScheduler as pretrain_gpt.py runs it (--lr-warmup-iters from 0,
+    --lr-decay-style over the whole run to --min-lr), stepped once per iteration."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=lr, min_lr=min_lr, lr_warmup_steps=warmup,
+                                   lr_decay_steps=steps, lr_decay_style=style, start_wd=0.0, end_wd=0.0,
+                                   wd_incr_steps=steps, wd_incr_style="constant")
+
+
 def train(ctx, system: str, steps: int, ratio: float, grad_ratio: float, refresh: int, seed: int,
-          vocab: int, order: int, init: str, data: str | None = None, model: dict | None = None):
+          vocab: int, order: int, init: str, data: str | None = None, model: dict | None = None,
+          schedule: dict | None = None, domain: tuple[int, int] = (2, 1)):
     from megatron_hybridep.data.synthetic import MarkovCorpus
     from megatron_hybridep.data.windows import TokenWindows
     from megatron_hybridep.megatron import cpu_runtime, setup, teardown
@@ -87,9 +103,10 @@ def train(ctx, system: str, steps: int, ratio: float, grad_ratio: float, refresh
                      "shared-stateless": MigrationConfig(ratio, grad_ratio, True, refresh, incremental=False),
                      "topk-stateless": MigrationConfig(ratio, grad_ratio, False, refresh, incremental=False),
                      }[system]
-        setup([Plan.grid((2, ctx.world_size // 2), (2, 1), args.num_experts, ("dc", "gpu"))],
+        setup([Plan.grid((2, ctx.world_size // 2), domain, args.num_experts, ("dc", "gpu"))],
               migration=migration)
     state = build(args)
+    lr_scheduler = lr_schedule(state.optimizer, args.lr, steps, **schedule) if schedule else None
     if init == "upcycled":
         upcycle(state.model.module, seed, noise=0.1)
     corpus = TokenWindows(data, seed) if data else MarkovCorpus(vocab_size=vocab, seed=seed, order=order)
@@ -99,6 +116,8 @@ def train(ctx, system: str, steps: int, ratio: float, grad_ratio: float, refresh
         t0 = time.perf_counter()
         losses.append(train_step(state, tokens, labels)["loss"])
         times.append(time.perf_counter() - t0)
+        if lr_scheduler is not None:
+            lr_scheduler.step(1)
     if system != "alltoall":
         teardown()
     import torch
@@ -117,6 +136,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--refresh", type=int, default=10, help="shared-expert refresh interval (steps)")
     p.add_argument("--seeds", default="1234", help="comma list: model init and corpus seeds (one run each)")
     p.add_argument("--window", type=int, default=20, help="final loss = mean of the last N steps")
+    p.add_argument("--target-at", type=float, default=0.8,
+                   help="steps to the same loss: each run's steps until its trailing --window mean reaches "
+                        "alltoall's (same seed) at this fraction of the run, over alltoall's steps")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: 64 on the Markov corpus, "
                                                            "256 on text: bytes as tokens)")
     p.add_argument("--order", type=int, default=2, help="Markov order of the corpus (2: the experts matter)")
@@ -133,6 +155,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=8, help="experts per MoE layer (a multiple of the 4 ranks)")
     p.add_argument("--topk", type=int, default=2, help="experts per token")
     p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam's (peak) learning rate")
+    p.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant",
+                   help="Megatron's LR schedule over --steps (constant: no warm-up, the lr throughout)")
+    p.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up from 0 (with a decay style)")
+    p.add_argument("--min-lr", type=float, default=None, help="the decay's floor (default: --lr / 10)")
+    p.add_argument("--domain", default="2,1", metavar="DC,GPU",
+                   help="the HybridEP domain: 2,1 = one rank of each DC (half of each rank's tokens through "
+                        "borrowed copies), 2,2 = all four ranks (three quarters), 1,2 = the two ranks of a DC")
     p.add_argument("--init", choices=("random", "upcycled"), default="random",
                    help="expert initialisation: Megatron's independent random experts, or upcycled")
     p.add_argument("--out", default=os.path.join(REPO, "runs", "convergence"))
@@ -143,6 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma list; 'stateless' = residual against the shared expert (or zeros) at every "
                         "gather, the paper's scheme; without it the residual is against the peers' copy")
     a = p.parse_args(argv)
+    if not 0 < a.target_at < 1:
+        p.error(f"--target-at must be in (0, 1), got {a.target_at:g}")
     a.text = a.data_path is not None or a.corpus is not None
     if a.vocab is None:
         a.vocab = 256 if a.text else 64
@@ -156,7 +188,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--systems: unknown {', '.join(bad)}; use {', '.join(sorted(named))} or wRgR (e.g. w10, g50, w50g50)")
     if a.experts % RANKS or not 1 <= a.topk <= a.experts:
         p.error(f"--experts must be a multiple of the {RANKS} ranks and --topk between 1 and --experts")
-    a.model = dict(num_layers=a.layers, num_experts=a.experts, top_k=a.topk, seq_length=a.seq_length)
+    try:
+        a.domain = tuple(int(x) for x in a.domain.split(","))
+    except ValueError:
+        a.domain = ()
+    if len(a.domain) != 2 or not all(d in (1, 2) for d in a.domain) or a.domain == (1, 1):
+        p.error("--domain must be DC,GPU with each 1 or 2 and not 1,1 (e.g. 2,1 or 2,2)")
+    a.model = dict(num_layers=a.layers, num_experts=a.experts, top_k=a.topk, seq_length=a.seq_length, lr=a.lr)
+    if a.lr_decay_style == "constant" and (a.lr_warmup_iters or a.min_lr is not None):
+        p.error("--lr-warmup-iters and --min-lr need --lr-decay-style linear or cosine")
+    if not 0 <= a.lr_warmup_iters < a.steps:
+        p.error(f"--lr-warmup-iters must be in [0, --steps {a.steps})")
+    a.schedule = None if a.lr_decay_style == "constant" else dict(
+        style=a.lr_decay_style, warmup=a.lr_warmup_iters, min_lr=a.lr / 10 if a.min_lr is None else a.min_lr)
+    if a.schedule:
+        a.model["min_lr"] = a.schedule["min_lr"]  # the optimizer's parameter groups carry it
     return a
 
 
@@ -205,6 +251,35 @@ def load_curves(spec: str, steps: int) -> dict[tuple[str, int], list[float]]:
     return out
 
 
+def steps_to_same_loss(curves: dict[tuple[str, int], list[float]], systems: list[str], seeds: list[int],
+                       steps: int, window: int, target_at: float) -> str:
+    """Compression's cost as training steps: per seed, the steps until a system's trailing mean
+    reaches alltoall's at ``target_at`` of the run, divided by alltoall's; 'never' when it does not
+    within the run (the time-to-loss view, independent of step time)."""
+    from time_to_loss import smooth
+
+    at = max(1, round(target_at * steps))
+    lines = [f"\nsteps to alltoall's loss at step {at} (trailing mean of {window}), relative to alltoall's {at}:"]
+    for s in systems[1:]:
+        ratios = []
+        for seed in seeds:
+            target = smooth(curves["alltoall", seed], window)[at - 1]
+            mine = smooth(curves[s, seed], window)
+            hit = next((i + 1 for i in range(steps) if mine[i] <= target), None)
+            ratios.append(hit / at if hit else None)
+        got = [r for r in ratios if r is not None]
+        each = ", ".join(f"{r:.3f}" if r else "never" for r in ratios)
+        line = f"  {s:16s} reached {len(got)}/{len(seeds)}"
+        if got:
+            line += f"; {'' if len(got) == len(ratios) else 'those: '}{statistics.fmean(got):.3f}x"
+            line += f" +- {statistics.stdev(got):.3f}" if len(got) > 1 else ""
+            if len(got) > 2:
+                lo, hi = interval95(got)
+                line += f", 95% interval [{lo:.3f}, {hi:.3f}]"
+        lines.append(f"{line} ({each})")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     from megatron_hybridep.data.text import CorpusError
@@ -224,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             if (system, seed) in curves:
                 continue
             losses, med = run_ranks(train, RANKS, system, a.steps, a.ratio, a.grad_ratio, a.refresh, seed,
-                                    a.vocab, a.order, a.init, a.data_path, a.model, timeout=1800)[0]
+                                    a.vocab, a.order, a.init, a.data_path, a.model, a.schedule, a.domain,
+                                    timeout=1800)[0]
             curves[system, seed], step_ms[system, seed] = losses, med * 1e3
             print(f"  seed {seed} {system:16s} done: final {statistics.fmean(losses[-a.window:]):.4f}", flush=True)
     os.makedirs(a.out, exist_ok=True)
@@ -234,6 +310,12 @@ def main(argv: list[str] | None = None) -> int:
         tag = f"convergence_order{a.order}_v{a.vocab}_{a.init}_{a.ratio:g}x"
     if (a.layers, a.experts, a.topk, a.seq_length) != (2, 8, 2, 64):  # the default keeps its old file names
         tag += f"_L{a.layers}E{a.experts}k{a.topk}s{a.seq_length}"
+    if a.domain != (2, 1):
+        tag += f"_dc{a.domain[0]}gpu{a.domain[1]}"
+    if a.lr != 3e-3 or a.schedule:  # the constant 3e-3 keeps its old file names
+        tag += f"_lr{a.lr:g}"
+        if a.schedule:
+            tag += f"_{a.lr_decay_style}{a.lr_warmup_iters}-{a.schedule['min_lr']:g}"
     keys = [(s, seed) for seed in seeds for s in systems]
     with open(os.path.join(a.out, f"{tag}.csv"), "w", newline="") as f:
         w = csv.writer(f)
@@ -276,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(range(len(seeds)), key=lambda i: deltas[i])
             print(f"{'':44s} 95% interval of the mean [{lo:+.2f}%, {hi:+.2f}%]; worst seed {seeds[worst]}: "
                   f"{deltas[worst]:+.2f}%")
+    print(steps_to_same_loss(curves, systems, seeds, a.steps, a.window, a.target_at))
     try:
         import matplotlib
 
@@ -289,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (nats/token)")
         on = f", {os.path.basename(a.data_path)}" if text is not None else ""
-        ax.set_title(f"GPT-MoE, 2 DCs x 2, domains across DCs, {a.ratio:g}x, {a.init} experts{on}", fontsize=10)
+        lr = f", lr {a.lr:g} {a.lr_decay_style}" + (f" to {a.schedule['min_lr']:g}" if a.schedule else "")
+        ax.set_title(f"GPT-MoE, 2 DCs x 2, domains dc{a.domain[0]} gpu{a.domain[1]}, {a.init} experts{on}{lr}",
+                     fontsize=10)
         ax.legend()
         fig.tight_layout()
         fig.savefig(os.path.join(a.out, f"{tag}.png"), dpi=120)

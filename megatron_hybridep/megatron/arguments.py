@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO
+from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO, QUALITY_MAX_COMPRESSED_DOMAIN
 
 HYBRIDEP_CHOICE = "hybridep"
 
@@ -80,6 +80,11 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="cap on --hybridep-grad-compression-ratio (0 = none): at 50x the returned gradients cost "
                         "about 2%% in loss at equal steps over 8 seeds, 10x held within 1%% (docs/compression.md); "
                         "raise it to accept that cost")
+    g.add_argument("--hybridep-max-compressed-domain", type=_count, default=QUALITY_MAX_COMPRESSED_DOMAIN,
+                   metavar="S",
+                   help="with compression, plan no domain of more than S ranks (default %(default)s, 0 = no cap): a "
+                        "domain of S ranks computes 1 - 1/S of the routed tokens on compressed copies, and the loss "
+                        "cost grew with that share (+1.0%% at 2 ranks, +2.6%% at 4; docs/compression.md)")
     g.add_argument("--hybridep-grad-compression-warmup", type=_count, default=0, metavar="STEPS",
                    help="returned gradients start exact and reach --hybridep-grad-compression-ratio after STEPS "
                         "optimizer steps, the ratio growing geometrically (Deep Gradient Compression's warm-up)")

@@ -232,6 +232,13 @@ def header(r: PlanningResult) -> str:
         "cost      " + ("ours: forward+backward, alpha-beta links, uplink contention; exposed time per iteration"
                         if r.cost_model == "ours" else "paper: the stream model (forward only); time per iteration"),
     ]
+    if w.compresses:
+        cap = (f"domains capped at {w.max_compressed_domain} ranks (--max-compressed-domain)"
+               if w.max_compressed_domain else "no cap on domain size (--max-compressed-domain S sets one)")
+        share = r.best.borrowed_share
+        lines.append("quality   compressed migration: " + (
+            f"{r.best.label} computes {share:.0%} of the routed tokens on compressed copies" if share
+            else f"{r.best.label} uses none") + f"; {cap}; the loss cost grows with that share (docs/compression.md)")
     if w.grad_compression_ratio > QUALITY_GRAD_RATIO:
         lines.append(f"note      returned gradients at {w.grad_compression_ratio:g}x cost model quality above "
                      f"{QUALITY_GRAD_RATIO:g}x (docs/compression.md); pretrain_moe.py caps them there unless "

@@ -162,6 +162,13 @@ class Plan:
         return math.prod(self.domain_sizes)
 
     @property
+    def borrowed_share(self) -> float:
+        """Share of routed tokens computed on borrowed copies under even routing, hot replicas aside:
+        a token is computed in one domain, on the copy of one of its S ranks, so 1 - 1/S; 0 for
+        Megatron's EP and for replicated experts (Megatron's own copies, exact)."""
+        return 1.0 - 1.0 / self.domain_size if self.kind == "domains" else 0.0
+
+    @property
     def rail_size(self) -> int:
         return self.ep_size // self.domain_size
 

@@ -85,6 +85,14 @@ def enumerate_plans(layout: EPLayout, num_experts: int, include_replicated: bool
     return plans
 
 
+def within_quality_cap(workload: Workload, plans: list[Plan]) -> list[Plan]:
+    """Without the compressed domains larger than ``workload.max_compressed_domain`` ranks (0, or
+    exact migration: all): a quality budget, since the loss cost grows with the share of tokens
+    computed on compressed copies (docs/compression.md). Megatron's EP (S = 1) always stays."""
+    cap = workload.max_compressed_domain if workload.compresses else 0
+    return [p for p in plans if not cap or p.kind != "domains" or p.domain_size <= cap]
+
+
 def with_hot_plans(model: CostModel, plans: list[Plan], replica_budget: int | None = None) -> list[Plan]:
     """``plans`` plus a hot-replica variant of each domains plan where replicas pay (skewed routing)."""
     if replica_budget == 0 or model.workload.routing_counts is None:
@@ -129,7 +137,8 @@ def choose_plan(topology: Topology, workload: Workload, ep_size: int | None = No
     stage.check_experts(workload.num_experts, ep_size)
     paper = PaperModel(stage, workload)
     model = ours if cost == "ours" else paper
-    plans = enumerate_plans(layout, workload.num_experts, include_replicated and cost == "ours")
+    plans = within_quality_cap(workload, enumerate_plans(layout, workload.num_experts,
+                                                         include_replicated and cost == "ours"))
     if cost == "ours":
         plans = with_hot_plans(ours, plans, replica_budget)
     cands = []
@@ -194,7 +203,7 @@ def replan(topology: Topology, workload: Workload, current: Plan, *, horizon_ite
     model = CostModel(topology, workload)
     layout = model.layout(current.ep_size)
     pool = (list(candidates) if candidates is not None
-            else with_hot_plans(model, enumerate_plans(layout, current.num_experts)))
+            else with_hot_plans(model, within_quality_cap(workload, enumerate_plans(layout, current.num_experts))))
     if current not in pool:
         pool.append(current)
     costs = {p: model.evaluate(p) for p in pool}

@@ -25,6 +25,10 @@ BACKENDS = ("nccl", "gloo")
 # Returned-gradient compression above this costs model quality (docs/compression.md, 8 seeds on real
 # text); the runtime caps it here by default (--hybridep-max-grad-compression-ratio).
 QUALITY_GRAD_RATIO = 10.0
+# Compressed domains above this many ranks cost more quality (1 - 1/S of the tokens on compressed
+# copies: weights 50x + gradients 10x, 8 seeds, +1.0% at S = 2, +2.6% at S = 4); pretrain_moe.py
+# plans within it by default (--hybridep-max-compressed-domain).
+QUALITY_MAX_COMPRESSED_DOMAIN = 2
 
 # Achieved dense TFLOP/s per rank when a model states none: an H100-class GPU, as pretrain_moe.py
 # assumes on GPU (train/planning.py). Every configs/models file states its own.
@@ -78,6 +82,8 @@ class Workload:
     t_pre_ms: float | None = None            # measured compute before the experts (fwd, per MoE layer)
     compression_ratio: float = 1.0           # parameters / values kept when shipping an expert (top-k residual)
     grad_compression_ratio: float = 1.0      # the same for the gradient returned to the owner
+    max_compressed_domain: int = 0           # compressed: plan no domain of more ranks (0 = no cap); a domain of S
+    #   ranks computes 1 - 1/S of the routed tokens on compressed copies, and the loss cost grows with it
     compressed_expert_bytes: float | None = None  # bytes per shipped expert from a real codec (wins over ratio)
     compressed_grad_bytes: float | None = None    # bytes per returned expert gradient from a real codec
     shared_sync_bytes_per_layer: float = 0.0  # bytes per MoE layer per iteration all-reduced over the EP group
@@ -130,6 +136,8 @@ class Workload:
         for fld in ("compression_ratio", "grad_compression_ratio"):
             need(getattr(self, fld) >= 1, fld, "must be >= 1 (1 = exact, 50 = keep 2% of the values)",
                  "use 1 for no compression")
+        need(self.max_compressed_domain >= 0, "max_compressed_domain", "must be >= 0 (0 = no cap)",
+             "give the largest domain, in ranks, that may run on compressed copies")
         for fld in ("compressed_expert_bytes", "compressed_grad_bytes"):
             need(getattr(self, fld) is None or getattr(self, fld) > 0, fld, "must be > 0",
                  "give the codec's bytes per expert, or leave it out")
@@ -294,6 +302,11 @@ class Workload:
             raise PlanError(f"model.routing_counts: {a.shape[-2]} rows but the EP group has {ep_size} ranks; "
                             f"fix: record counts with this EP size or pass --ep-size {a.shape[-2]}")
         return a if a.ndim == 3 else a[None]
+
+    @property
+    def compresses(self) -> bool:
+        """Borrowed copies or their returned gradients travel compressed (a cost in model quality)."""
+        return self.compression_ratio > 1 or self.grad_compression_ratio > 1
 
     def replace(self, **changes: Any) -> Workload:
         return dataclasses.replace(self, **changes)

@@ -19,6 +19,7 @@ FIELDS = {
     "num_virtual_stages_per_pipeline_rank": "virtual_pipeline_model_parallel_size",
     "sequence_parallel": "sequence_parallel", "overlap_grad_reduce": "overlap_grad_reduce",
     "overlap_param_gather": "overlap_param_gather", "ddp_bucket_size": "ddp_bucket_size",
+    "max_compressed_domain": "max_compressed_domain",
 }
 
 
@@ -35,6 +36,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, parallelism: bool
                       help="ship experts as shared + top-k residual keeping 1/R of the values (indices counted)")
     what.add_argument("--grad-compression-ratio", type=float, metavar="R",
                       help="the same for the gradients returned to expert owners")
+    what.add_argument("--max-compressed-domain", type=int, metavar="S",
+                      help="with compression, no domain of more than S ranks (0 = no cap): a domain of S ranks "
+                           "computes 1 - 1/S of the routed tokens on compressed copies (pretrain_moe.py's "
+                           "--hybridep-max-compressed-domain)")
     what.add_argument("--expert-bytes", type=float, metavar="BYTES",
                       help="bytes per shipped expert measured from a codec (overrides --compression-ratio)")
     if grad_bytes:

@@ -42,7 +42,7 @@ from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.grid import divisors
 from megatron_hybridep.plan.layout import is_hybridep, layout_workload
 from megatron_hybridep.plan.plan import Plan
-from megatron_hybridep.plan.planner import choose_plan, enumerate_plans
+from megatron_hybridep.plan.planner import choose_plan, enumerate_plans, within_quality_cap
 from megatron_hybridep.plan.topology import Level, Topology
 from megatron_hybridep.plan.workload import Workload
 from megatron_hybridep.sim.schedule import PHASES, SimOptions
@@ -144,7 +144,7 @@ def policy_plan(policy: str, value: float | None, topo: Topology, work: Workload
         sizes = PaperModel(topo, work).optimum(ep_size).domain_sizes
         return Plan("domains", lay.names, lay.counts, sizes, work.num_experts)
     if policy == "best":
-        plans = enumerate_plans(lay, work.num_experts)
+        plans = within_quality_cap(work, enumerate_plans(lay, work.num_experts))
         return min(plans, key=lambda p: simulate(topo, work, p, options=options).total)
     raise PlanError(f"policy: unknown {policy!r}")
 

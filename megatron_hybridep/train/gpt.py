@@ -31,6 +31,7 @@ class GPTMoEArgs:
     dispatcher: str = "alltoall"
     aux_loss_coeff: float = 1e-2
     lr: float = 3e-3
+    min_lr: float | None = None  # an LR schedule's floor (Megatron keeps it per parameter group)
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     seed: int = 1234
@@ -115,7 +116,7 @@ def build(args: GPTMoEArgs) -> TrainState:
     (model,) = build_chunks(config, spec, ddp_config, vocab_size=args.vocab_size,
                             max_sequence_length=args.seq_length, params_dtype=args.params_dtype)
     set_overlap_hooks(config, [model], grad_reduce=args.overlap_grad_reduce)
-    opt_config = OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
+    opt_config = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                                  clip_grad=args.clip_grad, bf16=False, fp16=False,
                                  use_distributed_optimizer=False)
     optimizer = get_megatron_optimizer(opt_config, [model])

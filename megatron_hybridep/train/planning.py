@@ -79,6 +79,7 @@ def workload_for(args: argparse.Namespace, world_size: int | None = None) -> Wor
     w = workload_from_settings({**vars(args), "hybridep_throughput_tflops": tflops}, "from arguments", dp)
     return w.replace(compression_ratio=args.hybridep_compression_ratio,
                      grad_compression_ratio=grad_ratio(args),
+                     max_compressed_domain=getattr(args, "hybridep_max_compressed_domain", 0),
                      borrowed_copies=getattr(args, "hybridep_borrowed_copies", None) or "auto",
                      async_grad_return=bool(getattr(args, "hybridep_async_grad_return", False)),
                      backend="gloo" if getattr(args, "distributed_backend", "nccl") == "gloo" else "nccl")
@@ -101,8 +102,9 @@ def ratio_notice(args: argparse.Namespace) -> str | None:
                      "gradients cost model quality (docs/compression.md); raise the cap to accept that")
     if args.hybridep_compression_ratio > 1 and grad_ratio(args) > 1:
         lines.append("[pretrain_moe] note: weights and returned gradients both compressed; on real text this cost "
-                     "+1.3% (10x + 10x) and +1.8% (50x + 10x) in loss at equal steps over 8 seeds, either alone "
-                     "about +0.65% (docs/compression.md)")
+                     "+1.3% (10x + 10x) and +1.8% (50x + 10x) in loss at equal steps over 8 seeds at a constant lr, "
+                     "+0.85% and +1.0% with a cosine schedule (4-11% more steps to the same loss; "
+                     "docs/compression.md)")
     return "\n".join(lines) or None
 
 
@@ -175,6 +177,20 @@ def _runnable(result: PlanningResult, ep: int) -> PlanningResult:
     return dataclasses.replace(result, best=runnable.plan)
 
 
+def _say_if_capped(work: Workload, result: PlanningResult, topo: Topology, ep: int) -> None:
+    """Log it when --hybridep-max-compressed-domain kept out a faster, larger compressed domain."""
+    if not (work.compresses and work.max_compressed_domain):
+        return
+    free = choose_plan(topo, work.replace(max_compressed_domain=0), ep)
+    if (free.best.kind == "domains" and free.best.domain_size > work.max_compressed_domain
+            and free.chosen.cost.total < result.chosen.cost.total):
+        warn_once(log, "hybridep: compressed domains capped at %d ranks (--hybridep-max-compressed-domain): running "
+                  "'%s' (%.4g s per iteration predicted); '%s' is predicted faster (%.4g s) but computes %.0f%% of "
+                  "the routed tokens on compressed copies, a larger loss cost (docs/compression.md); 0 lifts the cap",
+                  work.max_compressed_domain, result.best.label, result.chosen.cost.total, free.best.label,
+                  free.chosen.cost.total, 100 * free.best.borrowed_share)
+
+
 def choose(args: argparse.Namespace, world_size: int) -> PlanChoice:
     """The plan this job runs (identical on every rank: pure function of args and topology)."""
     topo = topology_for(args, world_size)
@@ -192,7 +208,9 @@ def choose(args: argparse.Namespace, world_size: int) -> PlanChoice:
                             "--expert-model-parallel-size that spans DCs")
         return PlanChoice(Plan.replicated(layout.counts, args.num_experts, layout.names), topo, None)
     if mode == "auto":
-        result = choose_plan(topo, workload_for(args, world_size), ep)
+        work = workload_for(args, world_size)
+        result = choose_plan(topo, work, ep)
+        _say_if_capped(work, result, topo, ep)
         if result.best.kind == "replicated":
             result = _runnable(result, ep)
         return PlanChoice(result.best, topo, result)
@@ -201,6 +219,11 @@ def choose(args: argparse.Namespace, world_size: int) -> PlanChoice:
                         "pass one of those (plan files come from 'hybridep plan --out plan.json')")
     plan = Plan.load(mode)
     plan.validate(ep if plan.kind != "replicated" else plan.megatron_ep_size, args.num_experts)
+    cap = getattr(args, "hybridep_max_compressed_domain", 0)
+    if cap and plan.kind == "domains" and plan.domain_size > cap and workload_for(args, world_size).compresses:
+        raise PlanError(f"--hybridep-plan {mode}: domains of {plan.domain_size} ranks with compressed migration, "
+                        f"over --hybridep-max-compressed-domain {cap}; fix: a plan with smaller domains "
+                        "(hybridep plan --max-compressed-domain), or raise or drop the cap")
     return PlanChoice(plan, topo, None)
 
 

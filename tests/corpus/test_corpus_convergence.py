@@ -24,14 +24,15 @@ conv = importlib.import_module("convergence")
 def test_default_stays_the_markov_corpus_and_the_toy_model():
     a = conv.parse_args([])
     assert not a.text and a.data_path is None and a.corpus is None and a.vocab == 64
-    assert a.model == dict(num_layers=2, num_experts=8, top_k=2, seq_length=64)
+    assert a.model == dict(num_layers=2, num_experts=8, top_k=2, seq_length=64, lr=3e-3)
+    assert a.schedule is None and a.domain == (2, 1)
     assert conv.load_text(a) is None
 
 
 def test_text_flags_set_the_byte_vocabulary_and_model_flags_reach_the_model():
     a = conv.parse_args(["--corpus", "book.txt", "--layers", "4", "--experts", "16", "--seq-length", "128"])
     assert a.text and a.corpus == "book.txt" and a.vocab == 256
-    assert a.model == dict(num_layers=4, num_experts=16, top_k=2, seq_length=128)
+    assert a.model == dict(num_layers=4, num_experts=16, top_k=2, seq_length=128, lr=3e-3)
     b = conv.parse_args(["--data-path", "/x/austen", "--vocab", "512"])
     assert b.text and b.data_path == "/x/austen" and b.vocab == 512
 
@@ -41,6 +42,12 @@ def test_text_flags_set_the_byte_vocabulary_and_model_flags_reach_the_model():
     (["--corpus", "a.txt", "--vocab", "64"], "needs --vocab 256 or more"),
     (["--experts", "6"], "multiple of the 4 ranks"),
     (["--topk", "9"], "--topk between 1 and --experts"),
+    (["--lr-warmup-iters", "10"], "need --lr-decay-style linear or cosine"),
+    (["--min-lr", "1e-4"], "need --lr-decay-style linear or cosine"),
+    (["--lr-decay-style", "cosine", "--steps", "10", "--lr-warmup-iters", "10"], "--lr-warmup-iters must be"),
+    (["--domain", "1,1"], "--domain must be DC,GPU"),
+    (["--domain", "4,1"], "--domain must be DC,GPU"),
+    (["--domain", "two"], "--domain must be DC,GPU"),
 ])
 def test_bad_flag_combinations_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -53,6 +60,42 @@ def test_missing_data_is_an_error_naming_the_fix_before_any_rank_starts(tmp_path
     assert "scripts/prepare_corpus" in capsys.readouterr().err
     assert conv.main(["--corpus", str(tmp_path / "none.txt")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_lr_schedule_is_megatrons_warmup_then_decay_over_the_run():
+    """--lr-decay-style: Megatron's scheduler from 0 over the warm-up to --lr, then down to --min-lr
+    (default lr / 10) at the last step; the floor also reaches the optimizer's parameter groups."""
+    from types import SimpleNamespace
+
+    a = conv.parse_args(["--steps", "20", "--lr", "2e-3", "--lr-decay-style", "cosine", "--lr-warmup-iters", "4"])
+    assert a.schedule == dict(style="cosine", warmup=4, min_lr=2e-4) and a.model["min_lr"] == 2e-4
+    groups = [{"lr": 0.0, "max_lr": a.lr, "min_lr": a.model["min_lr"], "weight_decay": 0.0}]
+    sched = conv.lr_schedule(SimpleNamespace(param_groups=groups), a.lr, a.steps, **a.schedule)
+    seen = [groups[0]["lr"]]
+    for _ in range(a.steps):
+        sched.step(1)
+        seen.append(groups[0]["lr"])
+    assert seen[0] == 0.0 and seen[2] == pytest.approx(1e-3) and seen[4] == pytest.approx(2e-3)
+    assert seen[12] == pytest.approx(2e-4 + 0.5 * 1.8e-3)  # half-way through the cosine
+    assert seen[20] == pytest.approx(2e-4) and all(x >= y for x, y in zip(seen[4:], seen[5:], strict=False))
+    assert conv.parse_args(["--lr-decay-style", "linear", "--min-lr", "0"]).schedule["min_lr"] == 0.0
+
+
+def test_steps_to_the_same_loss_counts_each_seed_against_its_own_reference():
+    """A system whose curve is alltoall's stretched 1.25x in steps needs 1.25x the steps; one that
+    stays above the target is 'never' and left out of the mean, which says so."""
+    steps, window = 100, 1  # a longer trailing mean would lag both curves by a few steps
+    ref = [5.0 - 0.03 * i for i in range(steps)]
+    slow = [5.0 - 0.03 * i / 1.25 for i in range(steps)]
+    curves = {("alltoall", 1): ref, ("alltoall", 2): ref, ("slow", 1): slow, ("slow", 2): slow,
+              ("stuck", 1): slow, ("stuck", 2): [5.0] * steps}
+    out = conv.steps_to_same_loss(curves, ["alltoall", "slow", "stuck"], [1, 2], steps, window, 0.8)
+    assert "loss at step 80" in out
+    slow_line, stuck_line = out.splitlines()[-2:]
+    assert "reached 2/2; 1.250x +- 0.000" in slow_line
+    assert "reached 1/2; those: 1.250x" in stuck_line and "never" in stuck_line
+    with pytest.raises(SystemExit):
+        conv.parse_args(["--target-at", "1"])
 
 
 def test_interval_is_the_t_interval_of_the_mean():

@@ -123,3 +123,16 @@ def test_borrowed_copies_flag_and_json(capsys):
                    for c in cands)
     with pytest.raises(SystemExit):
         run(capsys, *base, "--borrowed-copies", "sometimes")
+
+
+def test_compressed_plans_state_their_share_and_the_cap(capsys):
+    base = ["--topology", T("4dc_x_8"), "--model", M("paper-l"), "--tokens-per-rank", "8192",
+            "--compression-ratio", "50", "--grad-compression-ratio", "10"]
+    rc, out, _ = run(capsys, *base)
+    assert rc == 0 and "domains dc4 gpu1 computes 75% of the routed tokens on compressed copies; no cap" in out
+    rc, out, _ = run(capsys, *base, "--max-compressed-domain", "2", "--json")
+    assert rc == 0 and all(c["label"] in ("ep (S=1)", "domains dc2 gpu1", "domains dc1 gpu2")
+                           or c["label"].startswith("replicated") or " hot" in c["label"]
+                           for c in json.loads(out)["candidates"])
+    rc, out, _ = run(capsys, "--topology", T("4dc_x_8"), "--model", M("paper-l"), "--max-compressed-domain", "2")
+    assert rc == 0 and "quality" not in out  # exact migration: nothing to say, nothing capped

@@ -143,3 +143,29 @@ def test_replan_switches_only_when_the_gain_beats_the_switch_cost():
     assert not stay.switch and stay.reason == "the current plan is the best"
     with pytest.raises(PlanError, match="horizon_iterations"):
         replan(t, w, current, horizon_iterations=0)
+
+
+def test_a_compressed_domain_cap_drops_larger_domains_and_keeps_the_rest():
+    """max_compressed_domain is a quality budget: with compression, no domain of more ranks is
+    planned (the loss cost grows with the 1 - 1/S share computed on compressed copies); EP, replicated
+    experts and smaller domains stay; exact migration is never capped."""
+    t, w = topo("4dc_x_8"), model("paper-l", compression_ratio=50.0, grad_compression_ratio=10.0, tokens_per_rank=8192)
+    free = choose_plan(t, w, 32)
+    assert free.best.kind == "domains" and free.best.domain_size == 4  # dc4 gpu1
+    capped = choose_plan(t, w.replace(max_compressed_domain=2), 32)
+    kept = {c.plan.base for c in capped.candidates}
+    assert all(p.kind != "domains" or p.domain_size <= 2 for p in kept)
+    assert {p.domain_sizes for p in kept if p.kind == "domains"} == {(1, 1), (2, 1), (1, 2)}
+    assert any(p.kind == "replicated" for p in kept) and capped.best != free.best
+    exact = w.replace(compression_ratio=1.0, grad_compression_ratio=1.0)
+    assert len(choose_plan(t, exact.replace(max_compressed_domain=2), 32).candidates) == len(
+        choose_plan(t, exact, 32).candidates)
+    with pytest.raises(PlanError, match="max_compressed_domain"):
+        w.replace(max_compressed_domain=-1)
+
+
+@pytest.mark.parametrize("sizes, share", [((1, 1), 0.0), ((2, 1), 0.5), ((4, 1), 0.75), ((2, 2), 0.75),
+                                          ((4, 8), 31 / 32)])
+def test_borrowed_share_is_one_minus_one_over_the_domain(sizes, share):
+    assert Plan.grid((4, 8), sizes, 32).borrowed_share == pytest.approx(share)
+    assert Plan.replicated((4, 8), 32).borrowed_share == 0.0

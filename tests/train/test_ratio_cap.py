@@ -1,7 +1,10 @@
-"""--hybridep-max-grad-compression-ratio: the returned-gradient ratio the job runs is capped where the
-8-seed study found it costs quality (docs/compression.md), and the log says so."""
+"""The quality caps: --hybridep-max-grad-compression-ratio (the returned-gradient ratio the job runs is
+capped where the 8-seed study found it costs quality, docs/compression.md, and the log says so) and
+--hybridep-max-compressed-domain (no compressed domain of more ranks)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +58,52 @@ def test_the_plan_command_notes_a_ratio_past_the_cap(capsys):
     assert "note      returned gradients at 50x cost model quality above 10x" in capsys.readouterr().out
     assert main([*base, "--grad-compression-ratio", "10"]) == 0
     assert "note " not in capsys.readouterr().out
+
+
+def test_the_compressed_domain_cap_reaches_the_planner_and_refuses_a_plan_file_over_it(tmp_path):
+    """--hybridep-max-compressed-domain: the planner's candidates stay within it, and a hand-made plan
+    file with larger compressed domains is refused before any rank starts, naming the flag and fix."""
+    from megatron_hybridep.plan.plan import Plan, PlanError
+    from megatron_hybridep.train.planning import choose, workload_for
+
+    preset = str(Path(__file__).resolve().parents[2] / "configs" / "presets" / "cpu_demo.yaml")
+    comp = ["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio", "10"]
+    args = parse([*comp, "--hybridep-max-compressed-domain", "2"], default_config=preset)
+    assert workload_for(args, 4).max_compressed_domain == 2 and workload_for(args, 4).compresses
+    choice = choose(args, 4)
+    assert all(c.plan.kind != "domains" or c.plan.domain_size <= 2 for c in choice.result.candidates)
+    assert parse(comp, default_config=preset).hybridep_max_compressed_domain == 2  # the default
+    uncapped = choose(parse([*comp, "--hybridep-max-compressed-domain", "0"], default_config=preset), 4)
+    assert any(c.plan.domain_size == 4 for c in uncapped.result.candidates if c.plan.kind == "domains")
+    path = tmp_path / "plan.json"
+    Plan.grid((2, 2), (2, 2), args.num_experts, ("dc", "gpu")).save(str(path))
+    with pytest.raises(PlanError, match="--hybridep-max-compressed-domain 2; fix"):
+        choose(parse([*comp, "--hybridep-max-compressed-domain", "2", "--hybridep-plan", str(path)],
+                     default_config=preset), 4)
+    exact = parse(["--hybridep-max-compressed-domain", "2", "--hybridep-plan", str(path)], default_config=preset)
+    assert choose(exact, 4).plan.domain_size == 4  # exact migration: no quality cost, no cap
+
+
+def test_the_log_says_when_the_cap_kept_out_a_faster_domain(tmp_path, caplog):
+    """On a topology where one compressed domain of all four ranks is the fastest plan, the default
+    cap runs a 2-rank domain and the log names both plans, the share and how to lift the cap."""
+    import logging
+
+    import yaml
+
+    from megatron_hybridep.train.planning import choose
+
+    root = Path(__file__).resolve().parents[2]
+    topo = yaml.safe_load((root / "configs" / "topologies" / "2dc_x_2.yaml").read_text())
+    path = tmp_path / "topo.yaml"
+    path.write_text(yaml.safe_dump(topo))
+    argv = ["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio", "10",
+            "--hybridep-topology", str(path), "--micro-batch-size", "64"]
+    preset = str(root / "configs" / "presets" / "cpu_demo.yaml")
+    free = choose(parse([*argv, "--hybridep-max-compressed-domain", "0"], default_config=preset), 4)
+    assert free.plan.label == "domains dc2 gpu2", free.plan.label  # the premise: the widest domain wins
+    with caplog.at_level(logging.WARNING, logger="hybridep.planning"):
+        capped = choose(parse(argv, default_config=preset), 4)
+    assert capped.plan.kind != "domains" or capped.plan.domain_size <= 2
+    assert "capped at 2 ranks" in caplog.text and "'domains dc2 gpu2' is predicted faster" in caplog.text
+    assert "75% of the routed tokens" in caplog.text and "0 lifts the cap" in caplog.text
