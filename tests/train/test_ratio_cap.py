@@ -107,3 +107,21 @@ def test_the_log_says_when_the_cap_kept_out_a_faster_domain(tmp_path, caplog):
     assert capped.plan.kind != "domains" or capped.plan.domain_size <= 2
     assert "capped at 2 ranks" in caplog.text and "'domains dc2 gpu2' is predicted faster" in caplog.text
     assert "75% of the routed tokens" in caplog.text and "0 lifts the cap" in caplog.text
+
+
+def test_the_start_up_log_states_the_share_on_compressed_copies(capsys):
+    from types import SimpleNamespace
+
+    from megatron_hybridep.runtime.migration import MigrationConfig
+    from megatron_hybridep.train.planning import choose
+    from megatron_hybridep.train.reporting import Reporter
+
+    preset = str(Path(__file__).resolve().parents[2] / "configs" / "presets" / "cpu_demo.yaml")
+    args = parse(["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio", "10",
+                  "--hybridep-plan", "auto"], default_config=preset)
+    choice = choose(args, 4)
+    assert choice.plan.domain_size == 2  # the demo's plan, within the default cap
+    Reporter(args, choice, SimpleNamespace(migration=MigrationConfig(50.0, 10.0)), rank=0)
+    assert "50% of the routed tokens computed on compressed copies" in capsys.readouterr().out
+    Reporter(args, choice, SimpleNamespace(migration=MigrationConfig()), rank=0)  # exact: nothing to say
+    assert "compressed copies" not in capsys.readouterr().out
