@@ -11,6 +11,9 @@ import pytest
 from megatron_hybridep.megatron.arguments import parse
 from megatron_hybridep.train.planning import grad_ratio, migration_from_args, ratio_notice
 
+ROOT = Path(__file__).resolve().parents[2]
+PRESET = str(ROOT / "configs" / "presets" / "cpu_demo.yaml")
+
 
 def test_the_cap_lowers_the_ratio_and_says_so():
     args = parse(["--hybridep-grad-compression-ratio", "50"])
@@ -66,44 +69,36 @@ def test_the_compressed_domain_cap_reaches_the_planner_and_refuses_a_plan_file_o
     from megatron_hybridep.plan.plan import Plan, PlanError
     from megatron_hybridep.train.planning import choose, workload_for
 
-    preset = str(Path(__file__).resolve().parents[2] / "configs" / "presets" / "cpu_demo.yaml")
     comp = ["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio", "10"]
-    args = parse([*comp, "--hybridep-max-compressed-domain", "2"], default_config=preset)
+    args = parse([*comp, "--hybridep-max-compressed-domain", "2"], default_config=PRESET)
     assert workload_for(args, 4).max_compressed_domain == 2 and workload_for(args, 4).compresses
     choice = choose(args, 4)
     assert all(c.plan.kind != "domains" or c.plan.domain_size <= 2 for c in choice.result.candidates)
-    assert parse(comp, default_config=preset).hybridep_max_compressed_domain == 2  # the default
-    uncapped = choose(parse([*comp, "--hybridep-max-compressed-domain", "0"], default_config=preset), 4)
+    assert parse(comp, default_config=PRESET).hybridep_max_compressed_domain == 2  # the default
+    uncapped = choose(parse([*comp, "--hybridep-max-compressed-domain", "0"], default_config=PRESET), 4)
     assert any(c.plan.domain_size == 4 for c in uncapped.result.candidates if c.plan.kind == "domains")
     path = tmp_path / "plan.json"
     Plan.grid((2, 2), (2, 2), args.num_experts, ("dc", "gpu")).save(str(path))
     with pytest.raises(PlanError, match="--hybridep-max-compressed-domain 2; fix"):
         choose(parse([*comp, "--hybridep-max-compressed-domain", "2", "--hybridep-plan", str(path)],
-                     default_config=preset), 4)
-    exact = parse(["--hybridep-max-compressed-domain", "2", "--hybridep-plan", str(path)], default_config=preset)
+                     default_config=PRESET), 4)
+    exact = parse(["--hybridep-max-compressed-domain", "2", "--hybridep-plan", str(path)], default_config=PRESET)
     assert choose(exact, 4).plan.domain_size == 4  # exact migration: no quality cost, no cap
 
 
-def test_the_log_says_when_the_cap_kept_out_a_faster_domain(tmp_path, caplog):
+def test_the_log_says_when_the_cap_kept_out_a_faster_domain(caplog):
     """On a topology where one compressed domain of all four ranks is the fastest plan, the default
     cap runs a 2-rank domain and the log names both plans, the share and how to lift the cap."""
     import logging
 
-    import yaml
-
     from megatron_hybridep.train.planning import choose
 
-    root = Path(__file__).resolve().parents[2]
-    topo = yaml.safe_load((root / "configs" / "topologies" / "2dc_x_2.yaml").read_text())
-    path = tmp_path / "topo.yaml"
-    path.write_text(yaml.safe_dump(topo))
     argv = ["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio", "10",
-            "--hybridep-topology", str(path), "--micro-batch-size", "64"]
-    preset = str(root / "configs" / "presets" / "cpu_demo.yaml")
-    free = choose(parse([*argv, "--hybridep-max-compressed-domain", "0"], default_config=preset), 4)
+            "--hybridep-topology", str(ROOT / "configs" / "topologies" / "2dc_x_2.yaml"), "--micro-batch-size", "64"]
+    free = choose(parse([*argv, "--hybridep-max-compressed-domain", "0"], default_config=PRESET), 4)
     assert free.plan.label == "domains dc2 gpu2", free.plan.label  # the premise: the widest domain wins
     with caplog.at_level(logging.WARNING, logger="hybridep.planning"):
-        capped = choose(parse(argv, default_config=preset), 4)
+        capped = choose(parse(argv, default_config=PRESET), 4)
     assert capped.plan.kind != "domains" or capped.plan.domain_size <= 2
     assert "capped at 2 ranks" in caplog.text and "'domains dc2 gpu2' is predicted faster" in caplog.text
     assert "75% of the routed tokens" in caplog.text and "0 lifts the cap" in caplog.text
@@ -116,9 +111,8 @@ def test_the_start_up_log_states_the_share_on_compressed_copies(capsys):
     from megatron_hybridep.train.planning import choose
     from megatron_hybridep.train.reporting import Reporter
 
-    preset = str(Path(__file__).resolve().parents[2] / "configs" / "presets" / "cpu_demo.yaml")
     args = parse(["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio", "10",
-                  "--hybridep-plan", "auto"], default_config=preset)
+                  "--hybridep-plan", "auto"], default_config=PRESET)
     choice = choose(args, 4)
     assert choice.plan.domain_size == 2  # the demo's plan, within the default cap
     Reporter(args, choice, SimpleNamespace(migration=MigrationConfig(50.0, 10.0)), rank=0)
