@@ -280,6 +280,24 @@ def steps_to_same_loss(curves: dict[tuple[str, int], list[float]], systems: list
     return "\n".join(lines)
 
 
+def flatness(curves: dict[tuple[str, int], list[float]], systems: list[str], seeds: list[int], steps: int,
+             window: int, tail: float = 0.2) -> str:
+    """How much each system's loss still fell over the last ``tail`` of the run (trailing means of
+    ``window`` steps at both ends, per seed): whether the run was long enough that the loss had
+    flattened, so that the comparison at its end is not one of learning speed alone."""
+    from time_to_loss import smooth
+
+    start = max(window, round((1 - tail) * steps))
+    lines = [f"\nloss drop over the last {steps - start} steps (trailing mean of {window} at step {start} -> {steps}):"]
+    for s in systems:
+        drops = []
+        for seed in seeds:
+            curve = smooth(curves[s, seed], window)
+            drops.append((curve[start - 1] - curve[-1]) / curve[start - 1] * 100)
+        lines.append(f"  {s:16s} {statistics.fmean(drops):.2f}% ({', '.join(f'{d:.2f}' for d in drops)})")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     from megatron_hybridep.data.text import CorpusError
@@ -359,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'':44s} 95% interval of the mean [{lo:+.2f}%, {hi:+.2f}%]; worst seed {seeds[worst]}: "
                   f"{deltas[worst]:+.2f}%")
     print(steps_to_same_loss(curves, systems, seeds, a.steps, a.window, a.target_at))
+    print(flatness(curves, systems, seeds, a.steps, a.window))
     try:
         import matplotlib
 

@@ -14,7 +14,7 @@ from megatron_hybridep.bench import predict as bp
 from megatron_hybridep.bench.report import AUTO  # the report (a leaf module) holds the one definition
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.model import ModelSpec
-from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO
+from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO, QUALITY_WEIGHT_RATIO
 from megatron_hybridep.testbed.sh import TestbedError
 from megatron_hybridep.testbed.shaping import parse_rate_mbit
 
@@ -30,8 +30,8 @@ PRICED_COMPRESSED = (COMPRESSED, "auto-c")  # systems planned and priced with th
 SPAN = 32  # token traffic range of the sweep (paper: 6..192 MB)
 DEFAULTS: dict[str, Any] = {"dcs": 2, "ranks_per_dc": 2, "rate": "50mbit", "points": 6, "min_tokens": 128,
                             "seq": 128, "warmup": 2, "iters": 7, "systems": ",".join(SYSTEMS), "timeout": 1800.0,
-                            "burst_ms": 1.0, "compression_ratio": 50.0, "grad_compression_ratio": QUALITY_GRAD_RATIO,
-                            "micro_batches": 1,
+                            "burst_ms": 1.0, "compression_ratio": QUALITY_WEIGHT_RATIO,
+                            "grad_compression_ratio": QUALITY_GRAD_RATIO, "micro_batches": 1,
                             "borrowed_copies": "auto", "overlap_grad_reduce": True}
 COPIES = ("auto", "iteration", "microbatch")  # --hybridep-borrowed-copies; auto = iteration (bench models fit)
 # --smoke: the same path end to end, small enough for CI (< 60 s on 2 cores)
@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "1 ms, like a real link that banks no idle time; 0 keeps the testbed's >= 70 KB)")
     parser.add_argument("--compression-ratio", type=float, default=None,
                         help=f"{COMPRESSED} and auto-c: element ratio of the shipped expert weights "
-                             f"(shared + top-k residual) (default {d['compression_ratio']:g})")
+                             f"(shared + top-k residual) (default {d['compression_ratio']:g}, the runtime's "
+                             "quality cap; docs/results.md's runs from before that cap used 50)")
     parser.add_argument("--grad-compression-ratio", type=float, default=None,
                         help=f"{COMPRESSED} and auto-c: element ratio of the returned gradients (top-k, error "
                              "feedback); "
@@ -215,7 +216,8 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
         raise BenchError(f"--burst-ms: must be >= 0, got {burst_ms}; fix: 1 (a real link) or 0 (the testbed's)")
     ratio = float(get("compression_ratio"))
     if not ratio > 1:
-        raise BenchError(f"--compression-ratio: must be > 1 for {COMPRESSED}, got {ratio:g}; fix: e.g. 50, or drop "
+        raise BenchError(f"--compression-ratio: must be > 1 for {COMPRESSED}, got {ratio:g}; fix: e.g. "
+                         f"{QUALITY_WEIGHT_RATIO:g}, or drop "
                          f"{COMPRESSED} from --systems")
     grad_ratio = float(get("grad_compression_ratio"))
     if not grad_ratio >= 1:

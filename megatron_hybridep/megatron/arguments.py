@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO, QUALITY_MAX_COMPRESSED_DOMAIN
+from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO, QUALITY_MAX_COMPRESSED_DOMAIN, QUALITY_WEIGHT_RATIO
 
 HYBRIDEP_CHOICE = "hybridep"
 
@@ -76,6 +76,10 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="expert weight compression for migration (1 = exact)")
     g.add_argument("--hybridep-grad-compression-ratio", type=float, default=1.0,
                    help="compression of borrowed experts' gradients returned to owners (1 = exact)")
+    g.add_argument("--hybridep-max-compression-ratio", type=_cap, default=QUALITY_WEIGHT_RATIO,
+                   help="cap on --hybridep-compression-ratio (0 = none): at 50x the shipped weights cost up to 2%% "
+                        "in loss on a seed alone and 3.9%% with compressed gradients, both at 10x held every seed "
+                        "within 1.7%% (docs/compression.md); raise it to accept that cost")
     g.add_argument("--hybridep-max-grad-compression-ratio", type=_cap, default=QUALITY_GRAD_RATIO,
                    help="cap on --hybridep-grad-compression-ratio (0 = none): at 50x the returned gradients cost "
                         "about 2%% in loss at equal steps over 8 seeds, 10x held within 1%% (docs/compression.md); "

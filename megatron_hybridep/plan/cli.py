@@ -17,7 +17,7 @@ from megatron_hybridep.plan.planner import (
     choose_plan_all_ep_sizes,
 )
 from megatron_hybridep.plan.topology import Topology
-from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO, Workload
+from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO, QUALITY_WEIGHT_RATIO, Workload
 from megatron_hybridep.plan.workload_args import add_workload_arguments, with_skew, workload_from_args
 
 
@@ -239,6 +239,10 @@ def header(r: PlanningResult) -> str:
         lines.append("quality   compressed migration: " + (
             f"{r.best.label} computes {share:.0%} of the routed tokens on compressed copies" if share
             else f"{r.best.label} uses none") + f"; {cap}; the loss cost grows with that share (docs/compression.md)")
+    if w.compression_ratio > QUALITY_WEIGHT_RATIO:
+        lines.append(f"note      expert weights at {w.compression_ratio:g}x cost model quality above "
+                     f"{QUALITY_WEIGHT_RATIO:g}x (docs/compression.md); pretrain_moe.py caps them there unless "
+                     "--hybridep-max-compression-ratio is raised")
     if w.grad_compression_ratio > QUALITY_GRAD_RATIO:
         lines.append(f"note      returned gradients at {w.grad_compression_ratio:g}x cost model quality above "
                      f"{QUALITY_GRAD_RATIO:g}x (docs/compression.md); pretrain_moe.py caps them there unless "

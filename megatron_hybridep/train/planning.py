@@ -77,7 +77,7 @@ def workload_for(args: argparse.Namespace, world_size: int | None = None) -> Wor
         dp = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
                             * (getattr(args, "context_parallel_size", None) or 1))
     w = workload_from_settings({**vars(args), "hybridep_throughput_tflops": tflops}, "from arguments", dp)
-    return w.replace(compression_ratio=args.hybridep_compression_ratio,
+    return w.replace(compression_ratio=weight_ratio(args),
                      grad_compression_ratio=grad_ratio(args),
                      max_compressed_domain=getattr(args, "hybridep_max_compressed_domain", 0),
                      borrowed_copies=getattr(args, "hybridep_borrowed_copies", None) or "auto",
@@ -85,31 +85,44 @@ def workload_for(args: argparse.Namespace, world_size: int | None = None) -> Wor
                      backend="gloo" if getattr(args, "distributed_backend", "nccl") == "gloo" else "nccl")
 
 
+def _capped(ratio: float, cap: float) -> float:
+    return min(ratio, cap) if cap and cap >= 1.0 else ratio
+
+
+def weight_ratio(args: argparse.Namespace) -> float:
+    """The expert-weight compression the job runs: the requested ratio, capped by
+    --hybridep-max-compression-ratio (0: no cap)."""
+    return _capped(args.hybridep_compression_ratio, getattr(args, "hybridep_max_compression_ratio", 0.0))
+
+
 def grad_ratio(args: argparse.Namespace) -> float:
     """The returned-gradient compression the job runs: the requested ratio, capped by
     --hybridep-max-grad-compression-ratio (0: no cap)."""
-    ratio, cap = args.hybridep_grad_compression_ratio, getattr(args, "hybridep_max_grad_compression_ratio", 0.0)
-    return min(ratio, cap) if cap and cap >= 1.0 else ratio
+    return _capped(args.hybridep_grad_compression_ratio, getattr(args, "hybridep_max_grad_compression_ratio", 0.0))
 
 
 def ratio_notice(args: argparse.Namespace) -> str | None:
     """Lines for the log: when the cap lowered the requested ratio, and when weights and gradients
     are both compressed (the combination the 8-seed studies found costs more than either alone)."""
     lines = []
+    if weight_ratio(args) < args.hybridep_compression_ratio:
+        lines.append(f"[pretrain_moe] --hybridep-compression-ratio {args.hybridep_compression_ratio:g} capped at "
+                     f"{weight_ratio(args):g} (--hybridep-max-compression-ratio): above it the shipped expert "
+                     "weights cost model quality (docs/compression.md); raise the cap to accept that")
     if grad_ratio(args) < args.hybridep_grad_compression_ratio:
         lines.append(f"[pretrain_moe] --hybridep-grad-compression-ratio {args.hybridep_grad_compression_ratio:g} "
                      f"capped at {grad_ratio(args):g} (--hybridep-max-grad-compression-ratio): above it the returned "
                      "gradients cost model quality (docs/compression.md); raise the cap to accept that")
-    if args.hybridep_compression_ratio > 1 and grad_ratio(args) > 1:
-        lines.append("[pretrain_moe] note: weights and returned gradients both compressed; on real text this cost "
-                     "+1.3% (10x + 10x) and +1.8% (50x + 10x) in loss at equal steps over 8 seeds at a constant lr, "
-                     "+0.85% and +1.0% with a cosine schedule (4-11% more steps to the same loss; "
-                     "docs/compression.md)")
+    if weight_ratio(args) > 1 and grad_ratio(args) > 1:
+        lines.append("[pretrain_moe] note: weights and returned gradients both compressed; on real text 10x + 10x "
+                     "cost +0.85% (400 steps) and +0.97% (1,200 steps) in loss at equal steps over 8 seeds with a "
+                     "cosine schedule, up to +2.2% on one seed, and ~5% more steps to the same loss "
+                     "(docs/compression.md)")
     return "\n".join(lines) or None
 
 
 def migration_from_args(args: argparse.Namespace) -> MigrationConfig:
-    return MigrationConfig(compression_ratio=args.hybridep_compression_ratio,
+    return MigrationConfig(compression_ratio=weight_ratio(args),
                            grad_compression_ratio=grad_ratio(args),
                            grad_warmup_steps=getattr(args, "hybridep_grad_compression_warmup", 0),
                            use_shared=not args.hybridep_no_shared_expert,

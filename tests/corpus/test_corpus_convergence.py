@@ -98,6 +98,17 @@ def test_steps_to_the_same_loss_counts_each_seed_against_its_own_reference():
         conv.parse_args(["--target-at", "1"])
 
 
+def test_flatness_is_the_drop_over_the_runs_last_fifth_per_seed():
+    """A curve still falling linearly drops by its slope over the tail; a flat one by 0."""
+    steps, window = 100, 1
+    falling = [5.0 - 0.01 * i for i in range(steps)]  # step 80: 4.21, step 100: 4.01
+    curves = {("alltoall", 1): falling, ("alltoall", 2): [2.0] * steps}
+    out = conv.flatness(curves, ["alltoall"], [1, 2], steps, window)
+    assert "last 20 steps" in out and "step 80 -> 100" in out
+    drop = (4.21 - 4.01) / 4.21 * 100
+    assert f"alltoall         {drop / 2:.2f}% ({drop:.2f}, 0.00)" in out
+
+
 def test_interval_is_the_t_interval_of_the_mean():
     lo, hi = conv.interval95([1.0, 2.0, 3.0])  # mean 2, sd 1, t(2) = 4.303
     assert lo == pytest.approx(2 - 4.303 / 3**0.5) and hi == pytest.approx(2 + 4.303 / 3**0.5)

@@ -1,6 +1,7 @@
-"""The quality caps: --hybridep-max-grad-compression-ratio (the returned-gradient ratio the job runs is
-capped where the 8-seed study found it costs quality, docs/compression.md, and the log says so) and
---hybridep-max-compressed-domain (no compressed domain of more ranks)."""
+"""The quality caps: --hybridep-max-compression-ratio and --hybridep-max-grad-compression-ratio (the
+weight and returned-gradient ratios the job runs are capped where the 8-seed studies found they cost
+quality, docs/compression.md, and the log says so) and --hybridep-max-compressed-domain (no
+compressed domain of more ranks)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_hybridep.megatron.arguments import parse
-from megatron_hybridep.train.planning import grad_ratio, migration_from_args, ratio_notice
+from megatron_hybridep.train.planning import grad_ratio, migration_from_args, ratio_notice, weight_ratio, workload_for
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = str(ROOT / "configs" / "presets" / "cpu_demo.yaml")
@@ -29,12 +30,25 @@ def test_a_raised_or_no_cap_runs_what_is_asked(cap, runs):
     assert (ratio_notice(args) is None) == (runs == 50.0)
 
 
+def test_the_weight_cap_lowers_the_ratio_for_the_runtime_and_the_planner_and_says_so():
+    args = parse(["--hybridep-compression-ratio", "50"], default_config=PRESET)
+    assert args.hybridep_max_compression_ratio == 10.0 and weight_ratio(args) == 10.0
+    assert migration_from_args(args).compression_ratio == 10.0
+    assert workload_for(args, 4).compression_ratio == 10.0  # the plan is priced at what runs
+    notice = ratio_notice(args)
+    assert "--hybridep-compression-ratio 50 capped at 10" in notice and "--hybridep-max-compression-ratio" in notice
+    free = parse(["--hybridep-compression-ratio", "50", "--hybridep-max-compression-ratio", "0"], default_config=PRESET)
+    assert weight_ratio(free) == 50.0 and workload_for(free, 4).compression_ratio == 50.0
+    assert ratio_notice(free) is None
+    assert weight_ratio(parse(["--hybridep-compression-ratio", "4"])) == 4.0  # under the cap
+
+
 def test_weights_and_gradients_both_compressed_are_noted():
-    both = ratio_notice(parse(["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio", "10"]))
+    both = ratio_notice(parse(["--hybridep-compression-ratio", "10", "--hybridep-grad-compression-ratio", "10"]))
     assert both is not None and "both compressed" in both and "capped" not in both
     capped = ratio_notice(parse(["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio", "50"]))
-    assert len(capped.splitlines()) == 2 and "capped at 10" in capped
-    assert ratio_notice(parse(["--hybridep-compression-ratio", "50"])) is None  # weights alone
+    assert len(capped.splitlines()) == 3 and capped.count("capped at 10") == 2
+    assert ratio_notice(parse(["--hybridep-compression-ratio", "10"])) is None  # weights alone, within the cap
 
 
 def test_under_the_cap_nothing_changes():
@@ -42,11 +56,12 @@ def test_under_the_cap_nothing_changes():
     assert grad_ratio(args) == 4.0 and ratio_notice(args) is None
 
 
+@pytest.mark.parametrize("flag", ["--hybridep-max-grad-compression-ratio", "--hybridep-max-compression-ratio"])
 @pytest.mark.parametrize("bad", ["0.5", "-1", "inf", "x"])
-def test_a_bad_cap_is_refused(bad, capsys):
+def test_a_bad_cap_is_refused(flag, bad, capsys):
     with pytest.raises(SystemExit):
-        parse(["--hybridep-max-grad-compression-ratio", bad])
-    assert "--hybridep-max-grad-compression-ratio" in capsys.readouterr().err
+        parse([flag, bad])
+    assert flag in capsys.readouterr().err
 
 
 def test_the_plan_command_notes_a_ratio_past_the_cap(capsys):
@@ -61,6 +76,8 @@ def test_the_plan_command_notes_a_ratio_past_the_cap(capsys):
     assert "note      returned gradients at 50x cost model quality above 10x" in capsys.readouterr().out
     assert main([*base, "--grad-compression-ratio", "10"]) == 0
     assert "note " not in capsys.readouterr().out
+    assert main([*base, "--compression-ratio", "50"]) == 0
+    assert "note      expert weights at 50x cost model quality above 10x" in capsys.readouterr().out
 
 
 def test_the_compressed_domain_cap_reaches_the_planner_and_refuses_a_plan_file_over_it(tmp_path):
