@@ -166,6 +166,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--init", choices=("random", "upcycled"), default="random",
                    help="expert initialisation: Megatron's independent random experts, or upcycled")
     p.add_argument("--out", default=os.path.join(REPO, "runs", "convergence"))
+    p.add_argument("--recorded-only", action="store_true",
+                   help="make the table from the --from-csv curves alone: a curve they lack is an error, not a run")
     p.add_argument("--from-csv", action="append", default=[], metavar="FILE[:SUFFIX]",
                    help="reuse the curves of an earlier run's CSV (the same model and --steps); runs it holds are "
                         "not repeated; ':SUFFIX' renames its systems, e.g. ':-cold'")
@@ -312,6 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     curves, step_ms = {}, {}
     for spec in a.from_csv:  # earlier runs' curves; a later file wins, and these runs are not repeated
         curves.update(load_curves(spec, a.steps))
+    missing = [f"{s}@{seed}" for seed in seeds for s in systems if (s, seed) not in curves]
+    if a.recorded_only and missing:
+        print(f"error: --recorded-only: the --from-csv files hold no {', '.join(missing)}; fix: add the CSV that "
+              f"has them, or drop --recorded-only to train them", file=sys.stderr)
+        return 2
     for seed in seeds:
         for system in systems:
             if (system, seed) in curves:

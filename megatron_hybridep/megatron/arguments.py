@@ -78,8 +78,8 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="compression of borrowed experts' gradients returned to owners (1 = exact)")
     g.add_argument("--hybridep-max-compression-ratio", type=_cap, default=QUALITY_WEIGHT_RATIO,
                    help="cap on --hybridep-compression-ratio (0 = none): at 50x the shipped weights cost up to 2%% "
-                        "in loss on a seed alone and 3.9%% with compressed gradients, both at 10x held every seed "
-                        "within 1.7%% (docs/compression.md); raise it to accept that cost")
+                        "in loss on a seed alone and 3.9%% with compressed gradients, both at 10x about 1%% (up to "
+                        "2.2%% on a seed; docs/compression.md); raise it to accept that cost")
     g.add_argument("--hybridep-max-grad-compression-ratio", type=_cap, default=QUALITY_GRAD_RATIO,
                    help="cap on --hybridep-grad-compression-ratio (0 = none): at 50x the returned gradients cost "
                         "about 2%% in loss at equal steps over 8 seeds, 10x held within 1%% (docs/compression.md); "

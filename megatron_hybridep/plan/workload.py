@@ -26,8 +26,8 @@ BACKENDS = ("nccl", "gloo")
 # text); the runtime caps it here by default (--hybridep-max-grad-compression-ratio).
 QUALITY_GRAD_RATIO = 10.0
 # Expert weights above this ratio cost quality too (50x: worst seed +2.1% alone, +3.9% with gradients at
-# 10x; both at 10x held every seed within +1.7%, docs/compression.md); capped by default
-# (--hybridep-max-compression-ratio).
+# 10x; both at 10x +0.85-0.97% on average, worst seed +1.7% over 400 steps and +2.2% over 1,200,
+# docs/compression.md); capped by default (--hybridep-max-compression-ratio).
 QUALITY_WEIGHT_RATIO = 10.0
 # Compressed domains above this many ranks cost more quality (1 - 1/S of the tokens on compressed
 # copies: weights 50x + gradients 10x, 8 seeds, +1.0% at S = 2, +2.6% at S = 4); pretrain_moe.py

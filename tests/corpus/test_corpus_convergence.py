@@ -162,3 +162,19 @@ def test_earlier_curves_are_reused_not_rerun(tmp_path, capsys):
     assert rc == 0
     printed = capsys.readouterr().out
     assert "HybridEP weights 10x, cold start" in printed and "+7.50% +- 3.54" in printed  # +10%, +5%
+
+
+def test_recorded_only_refuses_to_train_a_missing_curve(tmp_path, capsys):
+    """A table meant to come from recorded curves must not start ranks when one is missing."""
+    path = tmp_path / "old.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "alltoall@1", "w10@1"])
+        for i in range(3):
+            w.writerow([i + 1, 2.0, 2.2])
+    argv = ["--steps", "3", "--window", "1", "--seeds", "1", "--from-csv", str(path), "--recorded-only",
+            "--out", str(tmp_path / "out")]
+    assert conv.main([*argv, "--systems", "alltoall,w10,g10"]) == 2
+    assert "--recorded-only: the --from-csv files hold no g10@1; fix" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert conv.main([*argv, "--systems", "alltoall,w10"]) == 0
