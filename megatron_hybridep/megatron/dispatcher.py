@@ -82,6 +82,9 @@ def instrument(dispatcher: MoEAlltoAllTokenDispatcher, stats: Stats, layer: int,
     a training step's blocking token traffic is all timed (the scheduler's compute excludes it)."""
     preprocess, dispatch, combine = (dispatcher.dispatch_preprocess, dispatcher.token_dispatch,
                                      dispatcher.token_combine)
+    # A one-rank group has no transpose to time; the stamps' autograd nodes would be most of what the
+    # plugin adds to a launch-bound GPU layer (docs/gpu.md, G5b).
+    timed = _time_backward if dispatcher.ep_size * dispatcher.tp_size > 1 else (lambda x, call, _record: call(x))
 
     def dispatch_preprocess(hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):  # noqa: ANN202
         stats.add_routing(layer, routing_map.sum(dim=0))  # stays on the device: no sync here
@@ -95,7 +98,7 @@ def instrument(dispatcher: MoEAlltoAllTokenDispatcher, stats: Stats, layer: int,
     def token_dispatch(hidden_states: torch.Tensor, probs: torch.Tensor):  # noqa: ANN202
         t0 = time.perf_counter()
         row = hidden_states.shape[-1] * hidden_states.element_size() + (0 if probs is None else probs.element_size())
-        out = _time_backward(hidden_states, lambda x: dispatch(x, probs),
+        out = timed(hidden_states, lambda x: dispatch(x, probs),
                              backward_record(dispatcher.output_splits, row))
         _record(stats, layer, Phase.TOKEN_DISPATCH, dispatcher.input_splits, dispatcher.ep_rank, row, levels,
                 time.perf_counter() - t0)
@@ -104,7 +107,7 @@ def instrument(dispatcher: MoEAlltoAllTokenDispatcher, stats: Stats, layer: int,
     def token_combine(hidden_states: torch.Tensor):  # noqa: ANN202
         t0 = time.perf_counter()
         row = hidden_states.shape[-1] * hidden_states.element_size()
-        out = _time_backward(hidden_states, combine, backward_record(dispatcher.input_splits, row))
+        out = timed(hidden_states, combine, backward_record(dispatcher.input_splits, row))
         _record(stats, layer, Phase.TOKEN_COMBINE, dispatcher.output_splits, dispatcher.ep_rank, row, levels,
                 time.perf_counter() - t0)
         return out

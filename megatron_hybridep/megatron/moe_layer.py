@@ -250,7 +250,8 @@ class HybridEPMoELayer(MoELayer):
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):  # noqa: ANN201
         if self.hybridep:
             state = self._active
-            self.token_dispatcher = state.dispatcher
+            if self.token_dispatcher is not state.dispatcher:  # nn.Module's __setattr__ is slow per call
+                self.token_dispatcher = state.dispatcher
             if not state.plain:
                 self.start_gather()  # usually already in flight (prefetched); overlaps routing if not
         return super().forward(hidden_states, *args, **kwargs)
