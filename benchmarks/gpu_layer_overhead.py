@@ -36,7 +36,7 @@ def bootstrap_interval(values: list[float], draws: int = 2000, seed: int = 0) ->
     return meds[int(0.025 * draws)], meds[int(0.975 * draws) - 1]
 
 
-def _layers(spec, device: str, use_te: bool):  # noqa: ANN202 - (layers by system, runtime)
+def _layers(spec, device: str, use_te: bool, control: bool = False):  # noqa: ANN202 - (layers by system, runtime)
     import torch
 
     from megatron_hybridep.megatron import setup
@@ -49,8 +49,9 @@ def _layers(spec, device: str, use_te: bool):  # noqa: ANN202 - (layers by syste
                      params_dtype=spec.dtype, use_cpu_initialization=False)
     layers = {"alltoall": build_moe_layer(spec, 0, 1, **build).to(device)}
     runtime = setup([Plan.grid((1,), (1,), spec.experts)])
-    layers["hybridep"] = build_moe_layer(dataclasses.replace(spec, dispatcher="hybridep"), 0, 1, **build).to(device)
-    assert layers["hybridep"].hybridep and not layers["alltoall"].hybridep
+    second = spec if control else dataclasses.replace(spec, dispatcher="hybridep")
+    layers["hybridep"] = build_moe_layer(second, 0, 1, **build).to(device)
+    assert layers["hybridep"].hybridep != control and not layers["alltoall"].hybridep
     return layers, runtime
 
 
@@ -79,7 +80,7 @@ def measure(args: argparse.Namespace) -> dict:
         spec = MoESpec(hidden=args.hidden, ffn=args.ffn, experts=args.experts, top_k=args.topk,
                        aux_loss_coeff=1e-2, seq=args.seq, batch=args.batch, dtype=dtype)
         use_te = cuda and not args.local and transformer_engine_version() is not None
-        layers, runtime = _layers(spec, args.device, use_te)
+        layers, runtime = _layers(spec, args.device, use_te, args.control)
         x0 = rank_input(spec, 0).to(args.device)
         dy = rank_input(spec, 0, step=9).to(args.device)
         sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -92,7 +93,7 @@ def measure(args: argparse.Namespace) -> dict:
             t0 = time.perf_counter()
             out, _ = layer(x)
             out.backward(dy)
-            if system == "hybridep":
+            if layer.hybridep:
                 runtime.after_optimizer_step()  # the plugin's per-step call, once per layer here
             sync()
             return (time.perf_counter() - t0) * 1e3
@@ -103,6 +104,7 @@ def measure(args: argparse.Namespace) -> dict:
                 ms = call(s)
                 if i >= args.warmup:
                     times[s].append(ms)
+        ops = {s: op_counts(lambda s=s: call(s), cuda) for s in SYSTEMS} if args.profile else None
         teardown()
     finally:
         ps.destroy_model_parallel()
@@ -116,7 +118,25 @@ def measure(args: argparse.Namespace) -> dict:
                                                         topk=args.topk),
                 iters=args.iters, median_ms={s: statistics.median(v) for s, v in times.items()},
                 ratio=statistics.median(ratios), ratio_ci95=bootstrap_interval(ratios),
-                diff_ms=statistics.median(diffs), diff_ms_ci95=bootstrap_interval(diffs), times_ms=times)
+                control=args.control, diff_ms=statistics.median(diffs), diff_ms_ci95=bootstrap_interval(diffs), times_ms=times, ops=ops)
+
+
+def op_counts(fn, cuda: bool) -> dict[str, int]:  # noqa: ANN001
+    """One call under torch.profiler: how many times each operator ran (``cuda:`` entries: GPU
+    kernels and copies), i.e. what one system launches that the other does not."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        fn()
+    counts: Counter[str] = Counter()
+    for e in prof.events():
+        gpu = cuda and e.device_type.name == "CUDA"
+        if gpu or e.name.startswith("aten::"):
+            counts[("cuda: " if gpu else "") + e.name[:80]] += 1
+    return dict(counts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--local", action="store_true", help="Megatron's local experts even if TransformerEngine imports")
     p.add_argument("--port", type=int, default=29517)
+    p.add_argument("--control", action="store_true", help="A/A control: the 'hybridep' slot holds a second alltoall "
+                   "layer, so the ratio shows what pairing two layer objects gives with no plugin at all")
+    p.add_argument("--profile", action="store_true", help="then profile one call of each: the operators and "
+                   "GPU kernels hybridep runs that alltoall does not")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.device == "cuda":
@@ -144,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "benchmarks/gpu_layer_overhead.py", *(sys.argv[1:] if argv is None else argv)])
     print(f"$ {command}", flush=True)
     r = measure(args)
+    if args.control:
+        print("A/A control: 'hybridep' below is a second alltoall layer with the same weights")
     print(f"{r['device']} | torch {r['torch']} | {r['experts']} | {r['dtype']} | {r['tokens']} tokens, "
           f"hidden {args.hidden}, {args.experts} experts of ffn {args.ffn}, top-{args.topk} | {args.iters} pairs")
     for s in SYSTEMS:
@@ -152,6 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     dlo, dhi = r["diff_ms_ci95"]
     print(f"hybridep / alltoall, median of paired ratios: {r['ratio']:.4f} [95% {lo:.4f}, {hi:.4f}]; "
           f"difference {r['diff_ms']:+.3f} ms [{dlo:+.3f}, {dhi:+.3f}]")
+    if r["ops"]:
+        a, h = r["ops"]["alltoall"], r["ops"]["hybridep"]
+        kernels = {s: sum(n for k, n in r["ops"][s].items() if k.startswith("cuda: ")) for s in SYSTEMS}
+        print(f"one call profiled: aten ops alltoall {sum(n for k, n in a.items() if k.startswith('aten'))}, "
+              f"hybridep {sum(n for k, n in h.items() if k.startswith('aten'))}; GPU kernels and copies "
+              f"alltoall {kernels['alltoall']}, hybridep {kernels['hybridep']}")
+        for k in sorted(set(a) | set(h), key=lambda k: (k.startswith("aten"), k)):
+            if a.get(k, 0) != h.get(k, 0):
+                print(f"  {h.get(k, 0) - a.get(k, 0):+3d}  {k}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({**r, "command": command}, f, indent=2)

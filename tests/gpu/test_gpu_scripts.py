@@ -64,14 +64,24 @@ def test_layer_overhead_benchmark_runs_on_cpu(tmp_path):
     import subprocess
     import sys
 
-    out = tmp_path / "layer.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_layer_overhead.py"), "--device", "cpu", "--dtype", "fp32",
            "--hidden", "16", "--ffn", "32", "--experts", "4", "--seq", "8", "--batch", "2", "--iters", "6",
-           "--warmup", "1", "--port", "29541", "--out"]
-    run = subprocess.run([*cmd, str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-3000:]
-    r = json.loads(out.read_text())
-    assert "median of paired ratios" in run.stdout
-    assert [len(r["times_ms"][s]) for s in ("alltoall", "hybridep")] == [6, 6] and r["ratio"] > 0
-    lo, hi = r["ratio_ci95"]
-    assert lo <= r["ratio"] <= hi
+           "--warmup", "1", "--port", "29541", "--profile"]
+    ops = {}
+    for mode in ("", "--control"):
+        out = tmp_path / f"layer{mode}.json"
+        run = subprocess.run([*cmd, *([mode] if mode else []), "--out", str(out)], capture_output=True, text=True,
+                             timeout=120, cwd=ROOT)
+        assert run.returncode == 0, run.stderr[-3000:]
+        r = json.loads(out.read_text())
+        assert "median of paired ratios" in run.stdout and r["control"] == bool(mode)
+        assert ("A/A control" in run.stdout) == bool(mode)
+        assert [len(r["times_ms"][s]) for s in ("alltoall", "hybridep")] == [6, 6] and r["ratio"] > 0
+        lo, hi = r["ratio_ci95"]
+        assert lo <= r["ratio"] <= hi
+        ops[mode] = {s: sum(n for k, n in r["ops"][s].items() if k.startswith("aten::")) for s in r["ops"]}
+    assert ops["--control"]["alltoall"] == ops["--control"]["hybridep"], ops  # two alltoall layers: same work
+    # at EP = 1 the plugin adds only the routing count (sum, add, a dtype copy); the backward stamps of
+    # a one-rank group (4 autograd nodes, 8 views) were half its cost on a launch-bound GPU layer
+    extra = ops[""]["hybridep"] - ops[""]["alltoall"]
+    assert 0 < extra <= 8, ops
