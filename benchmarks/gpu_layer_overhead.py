@@ -118,7 +118,8 @@ def measure(args: argparse.Namespace) -> dict:
                                                         topk=args.topk),
                 iters=args.iters, median_ms={s: statistics.median(v) for s, v in times.items()},
                 ratio=statistics.median(ratios), ratio_ci95=bootstrap_interval(ratios),
-                control=args.control, diff_ms=statistics.median(diffs), diff_ms_ci95=bootstrap_interval(diffs), times_ms=times, ops=ops)
+                control=args.control, diff_ms=statistics.median(diffs), diff_ms_ci95=bootstrap_interval(diffs),
+                times_ms=times, ops=ops)
 
 
 def op_counts(fn, cuda: bool) -> dict[str, int]:  # noqa: ANN001
