@@ -92,6 +92,11 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--hybridep-grad-compression-warmup", type=_count, default=0, metavar="STEPS",
                    help="returned gradients start exact and reach --hybridep-grad-compression-ratio after STEPS "
                         "optimizer steps, the ratio growing geometrically (Deep Gradient Compression's warm-up)")
+    g.add_argument("--hybridep-grad-spread", type=_count, default=0, metavar="N",
+                   help="owners add what compressed gradient returns bring as a moving average of weight 1/N per "
+                        "return (0 = at once): top-k with error feedback delivers each element's gradient in "
+                        "rare bursts, which inflate Adam's second moment; spread, it arrives as a stream "
+                        "(docs/compression.md)")
     g.add_argument("--hybridep-shared-refresh-interval", type=int, default=10,
                    help="optimizer steps between refreshes of the shared expert used by compression (0 = never)")
     g.add_argument("--hybridep-no-shared-expert", action="store_true",

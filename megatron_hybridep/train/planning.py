@@ -125,6 +125,7 @@ def migration_from_args(args: argparse.Namespace) -> MigrationConfig:
     return MigrationConfig(compression_ratio=weight_ratio(args),
                            grad_compression_ratio=grad_ratio(args),
                            grad_warmup_steps=getattr(args, "hybridep_grad_compression_warmup", 0),
+                           grad_spread=getattr(args, "hybridep_grad_spread", 0),
                            use_shared=not args.hybridep_no_shared_expert,
                            shared_refresh_every=args.hybridep_shared_refresh_interval,
                            incremental=getattr(args, "hybridep_residual_base", "copy") == "copy",

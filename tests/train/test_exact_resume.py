@@ -40,8 +40,8 @@ def _stop_and_resume(flags, dispatcher, plan, ckpt, world=4, topology=None):
     # a gather per micro-batch; the gradients' ratio still warming up at the save (10 ** (4/6))
     ["--hybridep-borrowed-copies", "microbatch", "--hybridep-grad-compression-warmup", "6"],
     ["--hybridep-no-shared-expert"],                     # plain top-k: copies seeded with zeros
-    ["--use-distributed-optimizer"],
-], ids=["iteration", "microbatch-warmup", "topk", "distopt"])
+    ["--use-distributed-optimizer", "--hybridep-grad-spread", "4"],  # the spread's held gradient saved too
+], ids=["iteration", "microbatch-warmup", "topk", "distopt-spread"])
 def test_compressed_run_resumes_bit_for_bit(extra, tmp_path):
     plan = write_cross_dc_plan(str(tmp_path / "plan.json"))
     loss, param = _stop_and_resume([*COMPRESSED, *extra], "hybridep", plan, str(tmp_path / "ckpt"))
