@@ -62,8 +62,8 @@ def system_config(system: str, refresh: int = 10):  # noqa: ANN201 - MigrationCo
     """'w10' = weights at 10x (shared + residual), 'g50' = returned gradients at 50x (top-k + error
     feedback), 'w50g50' = both; '-wu100': the gradients start exact and reach their ratio after 100
     steps; '-s10': the owners spread what returns bring over ~10 steps (grad_spread); a '-cold'
-    suffix: the first copies from the shared expert instead of one exact gather (the codec before exact_first_gather); None for the named systems (alltoall,
-    exact, shared, topk, ...)."""
+    suffix: the first copies from the shared expert instead of one exact gather (the codec before
+    exact_first_gather); None for the named systems (alltoall, exact, shared, topk, ...)."""
     from megatron_hybridep.runtime.migration import MigrationConfig
 
     m = _RATIOS.match(system)
