@@ -85,3 +85,14 @@ def test_layer_overhead_benchmark_runs_on_cpu(tmp_path):
     # a one-rank group (4 autograd nodes, 8 views) were half its cost on a launch-bound GPU layer
     extra = ops[""]["hybridep"] - ops[""]["alltoall"]
     assert 0 < extra <= 8, ops
+
+
+def test_gpu_checks_script_parses_and_names_its_arguments():
+    """scripts/gpu_checks, the one command a lent GPU machine runs: valid bash, and without its
+    output folder it stops with the usage line instead of writing somewhere."""
+    import subprocess
+
+    script = ROOT / "scripts" / "gpu_checks"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    run = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert run.returncode != 0 and "usage: scripts/gpu_checks OUT [OLD_TREE]" in run.stderr
