@@ -54,23 +54,21 @@ def upcycle(model, seed: int, noise: float) -> None:
                         q.copy_(base + noise * q)
 
 
-_RATIOS = re.compile(r"^(?:w(?P<w>\d+(?:\.\d+)?))?(?:g(?P<g>\d+(?:\.\d+)?))?(?:-wu(?P<wu>\d+))?(?:-s(?P<s>\d+))?"
-                     r"(?P<cold>-cold)?$")
+_RATIOS = re.compile(r"^(?:w(?P<w>\d+(?:\.\d+)?))?(?:g(?P<g>\d+(?:\.\d+)?))?(?:-wu(?P<wu>\d+))?(?P<cold>-cold)?$")
 
 
 def system_config(system: str, refresh: int = 10):  # noqa: ANN201 - MigrationConfig, or None for a named system
     """'w10' = weights at 10x (shared + residual), 'g50' = returned gradients at 50x (top-k + error
     feedback), 'w50g50' = both; '-wu100': the gradients start exact and reach their ratio after 100
-    steps; '-s10': the owners spread what returns bring over ~10 steps (grad_spread); a '-cold'
-    suffix: the first copies from the shared expert instead of one exact gather (the codec before
-    exact_first_gather); None for the named systems (alltoall, exact, shared, topk, ...)."""
+    steps; a '-cold' suffix: the first copies from the shared expert instead of one exact gather
+    (the codec before exact_first_gather); None for the named systems (alltoall, exact, shared, topk, ...)."""
     from megatron_hybridep.runtime.migration import MigrationConfig
 
     m = _RATIOS.match(system)
     if not system or m is None or not (m["w"] or m["g"]):
         return None
     return MigrationConfig(float(m["w"] or 1), float(m["g"] or 1), True, refresh, exact_first_gather=not m["cold"],
-                           grad_warmup_steps=int(m["wu"] or 0), grad_spread=int(m["s"] or 0))
+                           grad_warmup_steps=int(m["wu"] or 0))
 
 
 def lr_schedule(optimizer, lr: float, steps: int, style: str, warmup: int, min_lr: float):  # noqa: ANN201
@@ -372,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             m = _RATIOS.match(s)
             parts = ([f"weights {m['w']}x"] if m["w"] else []) + ([f"gradients {m['g']}x"] if m["g"] else [])
             names[s] = ("HybridEP " + " + ".join(parts) + (f", warm-up {m['wu']}" if m["wu"] else "")
-                        + (f", spread {m['s']}" if m["s"] else "") + (", cold start" if m["cold"] else ""))
+                        + (", cold start" if m["cold"] else ""))
     for s in systems:
         deltas = [(final((s, seed)) - final(("alltoall", seed))) / final(("alltoall", seed)) * 100 for seed in seeds]
         sd = statistics.stdev(deltas) if len(deltas) > 1 else 0.0

@@ -38,10 +38,13 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from layout_vs_pp import MODEL, testbed_flags, write_topology  # noqa: E402 - the same model and topology as issue 25's
 
+from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO, QUALITY_WEIGHT_RATIO  # noqa: E402
+
 LINE = re.compile(r" iter +(\d+)/\d+ \| loss +([\d.]+|nan) \| step +([\d.]+) ms")
 
 
-def systems(dcs: int, world: int, ratio: float = 10.0, grad_ratio: float = 10.0) -> dict[str, list[str]]:
+def systems(dcs: int, world: int, ratio: float = QUALITY_WEIGHT_RATIO,
+            grad_ratio: float = QUALITY_GRAD_RATIO) -> dict[str, list[str]]:
     pp = ["--pipeline-model-parallel-size", str(dcs), "--expert-model-parallel-size", str(world // dcs)]
     comp = ["--hybridep-compression-ratio", f"{ratio:g}", "--hybridep-grad-compression-ratio", f"{grad_ratio:g}",
             "--hybridep-max-compression-ratio", "0",  # what is asked for, past the quality caps too
@@ -163,11 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="iterations whose extra time is not counted")
     p.add_argument("--window", type=int, default=10, help="logged iterations in the loss's moving mean")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--ratio", type=float, default=10.0,
+    p.add_argument("--ratio", type=float, default=QUALITY_WEIGHT_RATIO,
                    help="hybridep-c's weight compression ratio (default: the runtime's quality cap; docs/results.md's "
                         "runs from before that cap used 50)")
-    p.add_argument("--grad-ratio", type=float, default=10.0,
-                   help="hybridep-c's returned-gradient compression ratio (default: the runtime's quality cap)")
+    p.add_argument("--grad-ratio", type=float, default=QUALITY_GRAD_RATIO,
+                   help="hybridep-c's returned-gradient compression ratio (default: the runtime's quality cap; "
+                        "docs/results.md's runs from before it was 4 used 10)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--reference", default="ep", help="the system whose loss is the target (e.g. pp: the best "
                                                       "Megatron layout where the WAN binds)")

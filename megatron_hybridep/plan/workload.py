@@ -23,11 +23,12 @@ BACKENDS = ("nccl", "gloo")
 
 
 # Returned-gradient compression above this costs model quality (docs/compression.md, 8 seeds on real
-# text); the runtime caps it here by default (--hybridep-max-grad-compression-ratio).
-QUALITY_GRAD_RATIO = 10.0
+# text over 1,200 steps: with weights at 10x, gradients 10x +0.97%, worst seed +2.2%; 4x +0.30%, worst
+# +1.2%); the runtime caps it here by default (--hybridep-max-grad-compression-ratio).
+QUALITY_GRAD_RATIO = 4.0
 # Expert weights above this ratio cost quality too (50x: worst seed +2.1% alone, +3.9% with gradients at
-# 10x; both at 10x +0.85-0.97% on average, worst seed +1.7% over 400 steps and +2.2% over 1,200,
-# docs/compression.md); capped by default (--hybridep-max-compression-ratio).
+# 10x; weights 10x cost little on top of the gradients' share, docs/compression.md); capped by default
+# (--hybridep-max-compression-ratio).
 QUALITY_WEIGHT_RATIO = 10.0
 # Compressed domains above this many ranks cost more quality (1 - 1/S of the tokens on compressed
 # copies: weights 50x + gradients 10x, 8 seeds, +1.0% at S = 2, +2.6% at S = 4); pretrain_moe.py

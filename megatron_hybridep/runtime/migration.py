@@ -70,9 +70,6 @@ class MigrationConfig:
     check_finite: bool = False           # --check-for-nan-in-loss-and-grad: name a non-finite borrowed expert
     grad_warmup_steps: int = 0           # returned gradients ramp from exact to grad_compression_ratio over
     #   this many optimizer steps, geometrically (Deep Gradient Compression's density warm-up)
-    grad_spread: int = 0                 # the owner adds what compressed returns bring as an EMA of weight
-    #   1/N per return (0 or 1: at once): top-k with error feedback delivers an element's mass in rare
-    #   bursts, which inflate Adam's second moment; spread, it arrives as a stream (nothing is lost)
 
     def __post_init__(self) -> None:
         for name in ("compression_ratio", "grad_compression_ratio"):
@@ -82,8 +79,6 @@ class MigrationConfig:
             raise ValueError("MigrationConfig.shared_refresh_every must be >= 0 (0 = never refresh)")
         if self.grad_warmup_steps < 0:
             raise ValueError("MigrationConfig.grad_warmup_steps must be >= 0 (0 = no warm-up)")
-        if self.grad_spread < 0:
-            raise ValueError("MigrationConfig.grad_spread must be >= 0 (0 = add returned gradients at once)")
 
     def grad_ratio_at(self, step: int) -> float:
         """The returned gradients' ratio in optimizer step ``step`` (0-based): exact at 0, then
@@ -182,7 +177,6 @@ class DomainGather(ExpertExchange):
         self.wire_bytes_per_rank = (num_local * self.codec.nbytes(self.row, dtype) if self.codec is not None
                                     else self.numel * self.params[0].element_size())
         self._step = 0
-        self._spread: torch.Tensor | None = None  # grad_spread: returned mass not yet added (float32)
         # incremental compression: what the peers hold of this rank's experts [L, row], and what this
         # rank holds of every position [S, L, row] (own slot unused); None = rebuild from the shared base
         self._held: torch.Tensor | None = None
@@ -239,8 +233,7 @@ class DomainGather(ExpertExchange):
 
         return {"held": self._held, "held_shared": ref(self._held_shared), "copies": self._copies,
                 "copies_shared": ref(self._copies_shared),
-                "grad_residuals": self.grad_codec.state_dict() if self.grad_codec is not None else {},
-                "grad_spread": self._spread}
+                "grad_residuals": self.grad_codec.state_dict() if self.grad_codec is not None else {}}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """After the layer's SharedExpert is loaded (the "shared" references resolve to it)."""
@@ -254,7 +247,6 @@ class DomainGather(ExpertExchange):
         self._copies, self._copies_shared = deref(state["copies"]), deref(state["copies_shared"])
         if self.grad_codec is not None:
             self.grad_codec.load_state_dict(state["grad_residuals"])  # type: ignore[arg-type]
-        self._spread = state.get("grad_spread")  # type: ignore[assignment]
 
     def encode_ahead(self) -> None:
         """Right after the optimizer step (compressed only): encode now, while the weights are fresh,
@@ -409,16 +401,9 @@ class DomainGather(ExpertExchange):
             work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
 
             def done() -> None:
-                spread = self.config.grad_spread
-                if spread > 1 and self._spread is None:
-                    self._spread = torch.zeros(self.numel, dtype=torch.float32, device=grad.device)
-                into = self._spread if spread > 1 else out
                 for q in range(self.size):
                     if q != self.position:
-                        self.grad_codec.decompress(recv[q], out=into, src_dtype=grad.dtype, accumulate=True)
-                if spread > 1:
-                    out.add_(self._spread, alpha=1.0 / spread)
-                    self._spread.mul_(1.0 - 1.0 / spread)
+                        self.grad_codec.decompress(recv[q], out=out, accumulate=True)
         launched = time.perf_counter() - t0
 
         def finish() -> torch.Tensor:

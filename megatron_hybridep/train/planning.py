@@ -114,10 +114,10 @@ def ratio_notice(args: argparse.Namespace) -> str | None:
                      f"capped at {grad_ratio(args):g} (--hybridep-max-grad-compression-ratio): above it the returned "
                      "gradients cost model quality (docs/compression.md); raise the cap to accept that")
     if weight_ratio(args) > 1 and grad_ratio(args) > 1:
-        lines.append("[pretrain_moe] note: weights and returned gradients both compressed; on real text 10x + 10x "
-                     "cost +0.85% (400 steps) and +0.97% (1,200 steps) in loss at equal steps over 8 seeds with a "
-                     "cosine schedule, up to +2.2% on one seed, and ~5% more steps to the same loss "
-                     "(docs/compression.md)")
+        lines.append("[pretrain_moe] note: weights and returned gradients both compressed; on real text over "
+                     "1,200 steps, weights 10x + gradients 4x cost +0.30% in loss at equal steps over 8 seeds, up "
+                     "to +1.2% on one seed, and ~1% more steps to the same loss (10x + 10x: +0.97%, up to +2.2%, "
+                     "~5% more steps; docs/compression.md)")
     return "\n".join(lines) or None
 
 
@@ -125,7 +125,6 @@ def migration_from_args(args: argparse.Namespace) -> MigrationConfig:
     return MigrationConfig(compression_ratio=weight_ratio(args),
                            grad_compression_ratio=grad_ratio(args),
                            grad_warmup_steps=getattr(args, "hybridep_grad_compression_warmup", 0),
-                           grad_spread=getattr(args, "hybridep_grad_spread", 0),
                            use_shared=not args.hybridep_no_shared_expert,
                            shared_refresh_every=args.hybridep_shared_refresh_interval,
                            incremental=getattr(args, "hybridep_residual_base", "copy") == "copy",

@@ -154,48 +154,6 @@ def test_gradient_warmup_starts_exact_and_reaches_the_ratio():
         assert warm[0][0] > warm[2][0] > warm[4][0]  # the wire really shrinks
 
 
-def _spread_returns(ctx, spreads, steps=5):
-    """Per grad_spread: the owner's expert gradient after each of ``steps`` identical backward passes
-    (gradients accumulated, returned at 8x), and what the spread still holds at the end."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_hybridep.megatron import teardown
-    from megatron_hybridep.runtime.migration import MigrationConfig
-
-    _init(ctx)
-    results = []
-    for spread in spreads:
-        runtime, layer = _domain_layer(ctx, MigrationConfig(1.0, 8.0, shared_refresh_every=0, incremental=False,
-                                                            grad_spread=spread))
-        gather = layer._plan_state[0].gather
-        sums = []
-        for _ in range(steps):
-            out, _ = layer(rank_input(SPEC, ctx.rank))
-            out.backward(rank_input(SPEC, ctx.rank, 99))
-            sums.append(torch.cat([p.grad.reshape(-1) for p in layer.experts.parameters()]).clone())
-        own = layer.experts.parameters()
-        held = gather.state_dict()["grad_spread"]
-        results.append(dict(sums=sums, held=held, numel=sum(p.numel() for p in own)))
-        teardown()
-    ps.destroy_model_parallel()
-    return results
-
-
-def test_spread_gradient_returns_arrive_later_and_whole():
-    """grad_spread 4: the owner adds a quarter of what each return brings and keeps the rest for the
-    next returns, so after every step its gradient plus what the spread holds equals the run that
-    adds everything at once (the same payloads: the sender's side does not change)."""
-    for at_once, spread in run_ranks(_spread_returns, 2, (0, 4), timeout=240):
-        assert at_once["held"] is None and spread["held"] is not None
-        assert spread["held"].dtype == torch.float32 and spread["held"].numel() == spread["numel"]
-        # step 1: own + r at once, own + r/4 spread: 3/4 of the returned r is still held
-        assert (at_once["sums"][0] - spread["sums"][0]).abs().max() > 1e-3
-        total = spread["sums"][-1] + spread["held"]
-        assert torch.allclose(total, at_once["sums"][-1], rtol=1e-5, atol=1e-6), \
-            (total - at_once["sums"][-1]).abs().max()
-        assert not torch.allclose(spread["sums"][-1], at_once["sums"][-1], rtol=1e-3, atol=1e-4)  # delayed
-
-
 def _incremental_copies(ctx, incremental, use_shared, ahead=False, numel=64, ratio=8.0, gathers=10, exact_first=False):
     """One expert per rank, a domain of 2: the error of the copy of the peer's expert after each
     gather (weights fixed), after weights drift, and after a plan switch (drop). Cold start (the

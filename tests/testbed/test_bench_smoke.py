@@ -135,7 +135,7 @@ def test_default_sweep_spans_32x_as_micro_batch_times_seq():
     assert cfg.systems == ["ep", "replicated", "hybridep", "hybridep-compressed", "pp", "auto", "auto-c"]
     assert "--compression-ratio 10" in cfg.command() and "--burst-ms 1" in cfg.command()  # the quality cap
     # returned gradients at the runtime's quality cap unless asked (docs/compression.md)
-    assert cfg.grad_compression_ratio == 10 and "--grad-compression-ratio 10" in cfg.command()
+    assert cfg.grad_compression_ratio == 4 and "--grad-compression-ratio 4" in cfg.command()
     assert cfg.overlap_grad_reduce and "overlap" not in cfg.command()  # on by default, as Megatron users run it
     off = resolve(_args(no_overlap_grad_reduce=None))
     assert not off.overlap_grad_reduce and "--no-overlap-grad-reduce" in off.command()

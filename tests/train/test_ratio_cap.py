@@ -18,9 +18,9 @@ PRESET = str(ROOT / "configs" / "presets" / "cpu_demo.yaml")
 
 def test_the_cap_lowers_the_ratio_and_says_so():
     args = parse(["--hybridep-grad-compression-ratio", "50"])
-    assert args.hybridep_max_grad_compression_ratio == 10.0 and grad_ratio(args) == 10.0
-    assert migration_from_args(args).grad_compression_ratio == 10.0
-    assert "capped at 10" in ratio_notice(args) and "--hybridep-max-grad-compression-ratio" in ratio_notice(args)
+    assert args.hybridep_max_grad_compression_ratio == 4.0 and grad_ratio(args) == 4.0
+    assert migration_from_args(args).grad_compression_ratio == 4.0
+    assert "capped at 4" in ratio_notice(args) and "--hybridep-max-grad-compression-ratio" in ratio_notice(args)
 
 
 @pytest.mark.parametrize("cap, runs", [("0", 50.0), ("100", 50.0), ("20", 20.0)])
@@ -44,16 +44,16 @@ def test_the_weight_cap_lowers_the_ratio_for_the_runtime_and_the_planner_and_say
 
 
 def test_weights_and_gradients_both_compressed_are_noted():
-    both = ratio_notice(parse(["--hybridep-compression-ratio", "10", "--hybridep-grad-compression-ratio", "10"]))
+    both = ratio_notice(parse(["--hybridep-compression-ratio", "10", "--hybridep-grad-compression-ratio", "4"]))
     assert both is not None and "both compressed" in both and "capped" not in both
     capped = ratio_notice(parse(["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio", "50"]))
-    assert len(capped.splitlines()) == 3 and capped.count("capped at 10") == 2
+    assert len(capped.splitlines()) == 3 and "50 capped at 10" in capped and "50 capped at 4" in capped
     assert ratio_notice(parse(["--hybridep-compression-ratio", "10"])) is None  # weights alone, within the cap
 
 
 def test_under_the_cap_nothing_changes():
-    args = parse(["--hybridep-grad-compression-ratio", "4"])
-    assert grad_ratio(args) == 4.0 and ratio_notice(args) is None
+    args = parse(["--hybridep-grad-compression-ratio", "3"])
+    assert grad_ratio(args) == 3.0 and ratio_notice(args) is None
 
 
 @pytest.mark.parametrize("flag", ["--hybridep-max-grad-compression-ratio", "--hybridep-max-compression-ratio"])
@@ -73,8 +73,8 @@ def test_the_plan_command_notes_a_ratio_past_the_cap(capsys):
     base = ["plan", "--topology", os.path.join(root, "configs", "topologies", "2dc_x_8.yaml"), "--model",
             os.path.join(root, "configs", "models", "paper-s.yaml"), "--tokens-per-rank", "4096", "--top", "1"]
     assert main([*base, "--grad-compression-ratio", "50"]) == 0
-    assert "note      returned gradients at 50x cost model quality above 10x" in capsys.readouterr().out
-    assert main([*base, "--grad-compression-ratio", "10"]) == 0
+    assert "note      returned gradients at 50x cost model quality above 4x" in capsys.readouterr().out
+    assert main([*base, "--grad-compression-ratio", "4"]) == 0
     assert "note " not in capsys.readouterr().out
     assert main([*base, "--compression-ratio", "50"]) == 0
     assert "note      expert weights at 50x cost model quality above 10x" in capsys.readouterr().out

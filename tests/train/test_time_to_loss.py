@@ -35,7 +35,7 @@ def test_steps_and_seconds_to_the_target(ttl):
 
 
 def test_every_system_trains_with_the_overlap_flag_and_the_same_data(ttl):
-    table = ttl.systems(2, 4, 50.0)
+    table = ttl.systems(2, 4, 50.0, 10.0)
     assert set(table) == {"ep", "replicated", "hybridep", "hybridep-c", "pp", "auto", "auto-c"}
     assert "--overlap-grad-reduce" in ttl.MODEL
     assert table["hybridep-c"][-8:] == ["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio",
@@ -43,7 +43,7 @@ def test_every_system_trains_with_the_overlap_flag_and_the_same_data(ttl):
                                         "--hybridep-max-grad-compression-ratio", "0"]  # what is asked, past the caps
     assert table["auto-c"] == [*table["auto"], *table["hybridep-c"][-8:]]  # the planner prices the same ratios
     assert ttl.systems(2, 4)["hybridep-c"][-8:-4] == ["--hybridep-compression-ratio", "10",
-                                                      "--hybridep-grad-compression-ratio", "10"]  # the default
+                                                      "--hybridep-grad-compression-ratio", "4"]  # the default
     assert table["pp"][:2] == ["--moe-token-dispatcher-type", "alltoall"] and "--pipeline-model-parallel-size" in \
         table["pp"]
 
