@@ -103,6 +103,12 @@ def test_a_stopped_process_is_told_apart_from_a_live_one(tmp_path):
         peer = R.Peer(1, None, "127.0.0.1", int(open(port_file).read()), answers=True)
         assert R.probe([peer], timeout_s=2.0) == {1: R.REACHABLE}
         os.kill(child.pid, signal.SIGSTOP)
+        # kill() returns before the child has stopped; on a loaded machine its beacon could still
+        # answer once, so wait until the kernel reports it stopped (state T)
+        deadline = time.monotonic() + 30
+        while open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline, "the child never stopped"
+            time.sleep(0.01)
         assert R.probe([peer], timeout_s=0.5) == {1: R.STOPPED}
         os.kill(child.pid, signal.SIGCONT)
         assert R.probe([peer], timeout_s=2.0) == {1: R.REACHABLE}
