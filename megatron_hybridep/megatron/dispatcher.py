@@ -98,8 +98,7 @@ def instrument(dispatcher: MoEAlltoAllTokenDispatcher, stats: Stats, layer: int,
     def token_dispatch(hidden_states: torch.Tensor, probs: torch.Tensor):  # noqa: ANN202
         t0 = time.perf_counter()
         row = hidden_states.shape[-1] * hidden_states.element_size() + (0 if probs is None else probs.element_size())
-        out = timed(hidden_states, lambda x: dispatch(x, probs),
-                             backward_record(dispatcher.output_splits, row))
+        out = timed(hidden_states, lambda x: dispatch(x, probs), backward_record(dispatcher.output_splits, row))
         _record(stats, layer, Phase.TOKEN_DISPATCH, dispatcher.input_splits, dispatcher.ep_rank, row, levels,
                 time.perf_counter() - t0)
         return out
