@@ -54,21 +54,24 @@ def upcycle(model, seed: int, noise: float) -> None:
                         q.copy_(base + noise * q)
 
 
-_RATIOS = re.compile(r"^(?:w(?P<w>\d+(?:\.\d+)?))?(?:g(?P<g>\d+(?:\.\d+)?))?(?:-wu(?P<wu>\d+))?(?P<cold>-cold)?$")
+_RATIOS = re.compile(r"^(?:w(?P<w>\d+(?:\.\d+)?))?(?:g(?P<g>\d+(?:\.\d+)?))?(?:-wu(?P<wu>\d+))?(?P<cold>-cold)?"
+                     r"(?P<b16>-b16)?$")
 
 
 def system_config(system: str, refresh: int = 10):  # noqa: ANN201 - MigrationConfig, or None for a named system
     """'w10' = weights at 10x (shared + residual), 'g50' = returned gradients at 50x (top-k + error
     feedback), 'w50g50' = both; '-wu100': the gradients start exact and reach their ratio after 100
     steps; a '-cold' suffix: the first copies from the shared expert instead of one exact gather
-    (the codec before exact_first_gather); None for the named systems (alltoall, exact, shared, topk, ...)."""
+    (the codec before exact_first_gather); '-b16': the returned gradients' kept values in bf16 (the
+    runtime's default since 2026-11-26; without it they keep the gradient's fp32, as the curves recorded
+    before were); None for the named systems (alltoall, exact, shared, topk, ...)."""
     from megatron_hybridep.runtime.migration import MigrationConfig
 
     m = _RATIOS.match(system)
     if not system or m is None or not (m["w"] or m["g"]):
         return None
     return MigrationConfig(float(m["w"] or 1), float(m["g"] or 1), True, refresh, exact_first_gather=not m["cold"],
-                           grad_warmup_steps=int(m["wu"] or 0))
+                           grad_warmup_steps=int(m["wu"] or 0), grad_values="bf16" if m["b16"] else "same")
 
 
 def lr_schedule(optimizer, lr: float, steps: int, style: str, warmup: int, min_lr: float):  # noqa: ANN201
@@ -96,11 +99,14 @@ def train(ctx, system: str, steps: int, ratio: float, grad_ratio: float, refresh
                       dispatcher="alltoall" if system == "alltoall" else "hybridep", **(model or {}))
     initialize_parallel(args)
     if system != "alltoall":
+        # the named systems keep the gradient's own value dtype, as their recorded curves were made
         migration = system_config(system) or {"exact": MigrationConfig(),
-                     "shared": MigrationConfig(ratio, grad_ratio, True, refresh),
-                     "topk": MigrationConfig(ratio, grad_ratio, False, refresh),
-                     "shared-stateless": MigrationConfig(ratio, grad_ratio, True, refresh, incremental=False),
-                     "topk-stateless": MigrationConfig(ratio, grad_ratio, False, refresh, incremental=False),
+                     "shared": MigrationConfig(ratio, grad_ratio, True, refresh, grad_values="same"),
+                     "topk": MigrationConfig(ratio, grad_ratio, False, refresh, grad_values="same"),
+                     "shared-stateless": MigrationConfig(ratio, grad_ratio, True, refresh, incremental=False,
+                                                         grad_values="same"),
+                     "topk-stateless": MigrationConfig(ratio, grad_ratio, False, refresh, incremental=False,
+                                                       grad_values="same"),
                      }[system]
         setup([Plan.grid((2, ctx.world_size // 2), domain, args.num_experts, ("dc", "gpu"))],
               migration=migration)
@@ -370,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             m = _RATIOS.match(s)
             parts = ([f"weights {m['w']}x"] if m["w"] else []) + ([f"gradients {m['g']}x"] if m["g"] else [])
             names[s] = ("HybridEP " + " + ".join(parts) + (f", warm-up {m['wu']}" if m["wu"] else "")
-                        + (", cold start" if m["cold"] else ""))
+                        + (", cold start" if m["cold"] else "") + (" (bf16)" if m["b16"] else ""))
     for s in systems:
         deltas = [(final((s, seed)) - final(("alltoall", seed))) / final(("alltoall", seed)) * 100 for seed in seeds]
         sd = statistics.stdev(deltas) if len(deltas) > 1 else 0.0

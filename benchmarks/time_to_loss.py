@@ -44,11 +44,11 @@ LINE = re.compile(r" iter +(\d+)/\d+ \| loss +([\d.]+|nan) \| step +([\d.]+) ms"
 
 
 def systems(dcs: int, world: int, ratio: float = QUALITY_WEIGHT_RATIO,
-            grad_ratio: float = QUALITY_GRAD_RATIO) -> dict[str, list[str]]:
+            grad_ratio: float = QUALITY_GRAD_RATIO, grad_values: str = "bf16") -> dict[str, list[str]]:
     pp = ["--pipeline-model-parallel-size", str(dcs), "--expert-model-parallel-size", str(world // dcs)]
     comp = ["--hybridep-compression-ratio", f"{ratio:g}", "--hybridep-grad-compression-ratio", f"{grad_ratio:g}",
             "--hybridep-max-compression-ratio", "0",  # what is asked for, past the quality caps too
-            "--hybridep-max-grad-compression-ratio", "0"]
+            "--hybridep-max-grad-compression-ratio", "0", "--hybridep-grad-compression-values", grad_values]
     return {"ep": ["--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", str(world)],
             "replicated": ["--hybridep-plan", "replicated", "--expert-model-parallel-size", str(world)],
             "hybridep": ["--expert-model-parallel-size", str(world)],
@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-ratio", type=float, default=QUALITY_GRAD_RATIO,
                    help="hybridep-c's returned-gradient compression ratio (default: the runtime's quality cap; "
                         "docs/results.md's runs from before it was 4 used 10)")
+    p.add_argument("--grad-values", choices=("bf16", "same"), default="bf16",
+                   help="hybridep-c's returned gradients' kept values: bf16 (the runtime's default) or the "
+                        "gradient's fp32 (docs/results.md's runs from before 2026-11-26's change)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--reference", default="ep", help="the system whose loss is the target (e.g. pp: the best "
                                                       "Megatron layout where the WAN binds)")
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         prepare_corpus()  # idempotent: "up to date" when already prepared
         args.data_path = default_prefix(None, austen.default_cache())
     world = args.dcs * args.ranks_per_dc
-    known = systems(args.dcs, world, args.ratio, args.grad_ratio)
+    known = systems(args.dcs, world, args.ratio, args.grad_ratio, args.grad_values)
     unknown = [k for k in args.systems.split(",") if k not in known]
     if unknown:
         p.error(f"--systems: unknown {', '.join(unknown)}; fix: choose from {', '.join(known)}")

@@ -190,6 +190,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         "same_as": session.info.get("same_as", {}),  # "point system" -> the system whose layout auto(-c) chose
         "overlap_grad_reduce": cfg.overlap_grad_reduce,
         "grad_compression_ratio": cfg.grad_compression_ratio,
+        "grad_values": cfg.grad_values,
         "targets": [c.__dict__ for c in checks],
         "link_counters_check_mb": {"timed_windows": window, "shaped_segments": total},
         "all_to_all_probe": probe,
@@ -202,6 +203,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         f"{cfg.warmup} warm-up + {cfg.iters} timed iterations of {cfg.micro_batches} micro-batch(es) "
         f"(borrowed copies: {cfg.borrowed_copies})"
         + (f"; HybridEP-c: weights {cfg.compression_ratio:g}x, returned gradients {cfg.grad_compression_ratio:g}x"
+              f" ({cfg.grad_values} values)"
            if "hybridep-compressed" in cfg.systems else ""),
         params_line(session.events),
         "", br.format_table(rows),

@@ -31,7 +31,7 @@ SPAN = 32  # token traffic range of the sweep (paper: 6..192 MB)
 DEFAULTS: dict[str, Any] = {"dcs": 2, "ranks_per_dc": 2, "rate": "50mbit", "points": 6, "min_tokens": 128,
                             "seq": 128, "warmup": 2, "iters": 7, "systems": ",".join(SYSTEMS), "timeout": 1800.0,
                             "burst_ms": 1.0, "compression_ratio": QUALITY_WEIGHT_RATIO,
-                            "grad_compression_ratio": QUALITY_GRAD_RATIO, "micro_batches": 1,
+                            "grad_compression_ratio": QUALITY_GRAD_RATIO, "grad_values": "bf16", "micro_batches": 1,
                             "borrowed_copies": "auto", "overlap_grad_reduce": True}
 COPIES = ("auto", "iteration", "microbatch")  # --hybridep-borrowed-copies; auto = iteration (bench models fit)
 # --smoke: the same path end to end, small enough for CI (< 60 s on 2 cores)
@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "feedback); "
                              f"default {d['grad_compression_ratio']:g}, the runtime's quality cap "
                              "(docs/compression.md)")
+    parser.add_argument("--grad-compression-values", choices=("bf16", "same"), default=None,
+                        help=f"{COMPRESSED} and auto-c: the returned gradients' kept values in bf16 (default, the "
+                             "runtime's) or in the gradient's fp32 (the runs recorded before 2026-11-26's change)")
     parser.add_argument("--micro-batches", type=int, default=None,
                         help="micro-batches per iteration at every point, each of the point's micro_batch x seq "
                              "tokens, through Megatron's schedule (gradients reduced once per iteration; default 1)")
@@ -119,6 +122,7 @@ class BenchConfig:
     micro_batches: int = 1
     borrowed_copies: str = "auto"
     overlap_grad_reduce: bool = True
+    grad_values: str = DEFAULTS["grad_values"]  # the returned gradients' kept values: bf16 or "same" (fp32 here)
 
     def system_micro_batches(self, system: str, pp: int = 1) -> int:
         """Micro-batches per iteration of a system whose layout has ``pp`` stages: the same global batch."""
@@ -143,7 +147,8 @@ class BenchConfig:
                  "--burst-ms", f"{self.burst_ms:g}"]
         if any(s in self.systems for s in PRICED_COMPRESSED):
             argv += ["--compression-ratio", f"{self.compression_ratio:g}",
-                     "--grad-compression-ratio", f"{self.grad_compression_ratio:g}"]
+                     "--grad-compression-ratio", f"{self.grad_compression_ratio:g}",
+                     "--grad-compression-values", self.grad_values]
         argv += ["--micro-batches", str(self.micro_batches)]
         if self.borrowed_copies != "auto":
             argv += ["--borrowed-copies", self.borrowed_copies]
@@ -230,4 +235,4 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(model, model_path or "builtin", dcs, k, rate, rate_text, sweep(min_tokens, seq, points), seq,
                        min_tokens, warmup, iters, systems, out, float(get("timeout")), bool(args.smoke), burst_ms,
                        ratio, grad_ratio, bool(getattr(args, "quiet", False)), micro, str(get("borrowed_copies")),
-                       bool(get("overlap_grad_reduce")))
+                       bool(get("overlap_grad_reduce")), grad_values=str(get("grad_values")))

@@ -119,7 +119,8 @@ class Calibration:
     def workload(self, shape: ModelSpec, tokens: int, seq: int, compression_ratio: float = 1.0,
                  shared_sync_bytes_per_layer: float = 0.0, micro_batches: int = 1,
                  hold_copies: bool = True, overlap_grad_reduce: bool = False,
-                 dense_params: int | None = None, grad_compression_ratio: float | None = None) -> Workload:
+                 dense_params: int | None = None, grad_compression_ratio: float | None = None,
+                 grad_value_bytes: int = 2) -> Workload:
         """tokens: per micro-batch; the timings are per iteration of `micro_batches` micro-batches.
         compression_ratio: shipped weights, grad_compression_ratio: returned gradients (default: the
         same) of the bench's compressed HybridEP;
@@ -134,6 +135,7 @@ class Calibration:
             t_pre_ms=self.t_pre_s / shape.num_moe_layers / micro_batches * 1e3, throughput_tflops=tflops,
             compression_ratio=compression_ratio,
             grad_compression_ratio=compression_ratio if grad_compression_ratio is None else grad_compression_ratio,
+            grad_value_bytes=grad_value_bytes,
             shared_sync_bytes_per_layer=shared_sync_bytes_per_layer, backend="gloo",
             borrowed_copies="iteration" if hold_copies else "microbatch", overlap_grad_reduce=overlap_grad_reduce,
             dense_params=dense_params)

@@ -155,6 +155,7 @@ class Session:
         if system in PRICED_COMPRESSED and order.get("plans"):  # auto-c runs compressed only in a hybridep plan
             order["compression_ratio"] = self.cfg.compression_ratio
             order["grad_compression_ratio"] = self.cfg.grad_compression_ratio
+            order["grad_values"] = self.cfg.grad_values
         return order
 
     def same_system(self, point: int, system: str = "auto") -> str | None:
@@ -200,7 +201,8 @@ class Session:
         sync = next((m.get("shared_sync_bytes_per_layer", 0.0) for m in events if m["event"] == "model"
                      and m["system"] == COMPRESSED), 0.0)
         return calib.workload(self.cfg.model, point["tokens"], point["seq"], self.cfg.compression_ratio, sync,
-                              grad_compression_ratio=self.cfg.grad_compression_ratio, **mode)
+                              grad_compression_ratio=self.cfg.grad_compression_ratio,
+                              grad_value_bytes=2 if self.cfg.grad_values == "bf16" else 0, **mode)
 
     def choose_plan(self, point: int, system: str = "hybridep") -> Plan:
         """The planner's HybridEP plan for this point and system, from EP's calibration of it."""

@@ -218,7 +218,8 @@ class Worker:
             plans = [Plan.from_dict(p) for p in order["plans"]]
             if order.get("compression_ratio"):
                 migration, sync_bytes = self._migration(order["compression_ratio"],
-                                                        order.get("grad_compression_ratio", order["compression_ratio"]))
+                                                        order.get("grad_compression_ratio", order["compression_ratio"]),
+                                                        order.get("grad_values", "same"))
             elif not self.spec.get("hold_copies", True):
                 from megatron_hybridep.runtime.migration import MigrationConfig
 
@@ -262,14 +263,14 @@ class Worker:
         del state
         dist.barrier()
 
-    def _migration(self, ratio: float, grad_ratio: float) -> tuple[Any, float]:
+    def _migration(self, ratio: float, grad_ratio: float, grad_values: str) -> tuple[Any, float]:
         """Compressed migration (weights at `ratio`, returned gradients at `grad_ratio`) and its shared-expert
         refresh bytes per MoE layer and step for the cost model (0 when the copies are refreshed
         incrementally, or the shared expert is frozen)."""
         from megatron_hybridep.runtime.compression import SharedExpertRule
         from megatron_hybridep.runtime.migration import MigrationConfig
 
-        cfg = MigrationConfig(compression_ratio=ratio, grad_compression_ratio=grad_ratio,
+        cfg = MigrationConfig(compression_ratio=ratio, grad_compression_ratio=grad_ratio, grad_values=grad_values,
                               hold_copies=self.spec.get("hold_copies", True))
         expert = self.model.expert_params
         sync = 0.0 if cfg.incremental else \

@@ -90,6 +90,10 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="with compression, plan no domain of more than S ranks (default %(default)s, 0 = no cap): a "
                         "domain of S ranks computes 1 - 1/S of the routed tokens on compressed copies, and the loss "
                         "cost grew with that share (+1.0%% at 2 ranks, +2.6%% at 4; docs/compression.md)")
+    g.add_argument("--hybridep-grad-compression-values", choices=("bf16", "same"), default="bf16",
+                   help="kept values of compressed returned gradients: bf16 (default: error feedback keeps the "
+                        "rounding, so nothing is lost; 3 bytes per kept value with its index instead of 5 for fp32) "
+                        "or same (the gradient's own dtype)")
     g.add_argument("--hybridep-grad-compression-warmup", type=_count, default=0, metavar="STEPS",
                    help="returned gradients start exact and reach --hybridep-grad-compression-ratio after STEPS "
                         "optimizer steps, the ratio growing geometrically (Deep Gradient Compression's warm-up)")

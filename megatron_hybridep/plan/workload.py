@@ -87,6 +87,8 @@ class Workload:
     t_pre_ms: float | None = None            # measured compute before the experts (fwd, per MoE layer)
     compression_ratio: float = 1.0           # parameters / values kept when shipping an expert (top-k residual)
     grad_compression_ratio: float = 1.0      # the same for the gradient returned to the owner
+    grad_value_bytes: int = 2                # bytes per kept value of a compressed returned gradient (the runtime
+    #   sends bf16, its error feedback keeps the rounding; 0 = the gradient's own precision, as before 2026-11-26)
     max_compressed_domain: int = 0           # compressed: plan no domain of more ranks (0 = no cap); a domain of S
     #   ranks computes 1 - 1/S of the routed tokens on compressed copies, and the loss cost grows with it
     compressed_expert_bytes: float | None = None  # bytes per shipped expert from a real codec (wins over ratio)
@@ -141,6 +143,8 @@ class Workload:
         for fld in ("compression_ratio", "grad_compression_ratio"):
             need(getattr(self, fld) >= 1, fld, "must be >= 1 (1 = exact, 50 = keep 2% of the values)",
                  "use 1 for no compression")
+        need(self.grad_value_bytes in (0, 2, 4), "grad_value_bytes", f"must be 0, 2 or 4, got {self.grad_value_bytes}",
+             "2 (bf16 values, the runtime's default) or 0 (the gradient's own precision)")
         need(self.max_compressed_domain >= 0, "max_compressed_domain", "must be >= 0 (0 = no cap)",
              "give the largest domain, in ranks, that may run on compressed copies")
         for fld in ("compressed_expert_bytes", "compressed_grad_bytes"):
@@ -231,12 +235,20 @@ class Workload:
             return float(self.compressed_expert_bytes)
         return float(codec_payload_bytes(self.expert_params, self.compression_ratio, self.weight_bytes))
 
+    def _grad_payload(self, own_bytes: int) -> float:
+        """One borrowed expert's returned gradient, held at ``own_bytes`` per element: dense, or the
+        error-feedback top-k payload with values at ``grad_value_bytes`` (--hybridep-grad-compression-values)."""
+        lay = wire.choose_layout(self.expert_params, self.grad_compression_ratio, self.grad_value_bytes or own_bytes)
+        if lay.dense:  # sent as the gradient itself (runtime ErrorFeedbackTopK.layout)
+            return float(codec_payload_bytes(self.expert_params, 1.0, own_bytes))
+        return float(lay.nbytes)
+
     @property
     def grad_wire_bytes(self) -> float:
         """Bytes to return one borrowed expert's gradient to its owner (error-feedback top-k payload)."""
         if self.compressed_grad_bytes is not None:
             return float(self.compressed_grad_bytes)
-        return float(codec_payload_bytes(self.expert_params, self.grad_compression_ratio, self.grad_bytes))
+        return self._grad_payload(self.grad_bytes)
 
     def returned_grad_bytes(self, mode: str) -> float:
         """Bytes to return one borrowed expert's gradient in a borrowed-copies mode: "microbatch"
@@ -247,7 +259,7 @@ class Workload:
             return self.grad_wire_bytes
         if self.compressed_grad_bytes is not None:
             return float(self.compressed_grad_bytes) * self.main_grad_bytes / self.grad_bytes
-        return float(codec_payload_bytes(self.expert_params, self.grad_compression_ratio, self.main_grad_bytes))
+        return self._grad_payload(self.main_grad_bytes)
 
     @property
     def shared_sync_bytes(self) -> float:

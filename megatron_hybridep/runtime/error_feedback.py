@@ -36,7 +36,10 @@ class ErrorFeedbackTopK:
         self._acc: dict[Hashable, torch.Tensor] = {}
 
     def layout(self, numel: int, grad_dtype: torch.dtype) -> PayloadLayout:
-        return plan_layout(numel, self.ratio, self.value_dtype or grad_dtype, ratio_of=self.ratio_of)
+        """A sparse payload's values in ``value_dtype`` (their rounding is fed back); a dense one
+        (ratio 1, or sparse not smaller) is the gradient itself, exact: no feedback covers it."""
+        lay = plan_layout(numel, self.ratio, self.value_dtype or grad_dtype, ratio_of=self.ratio_of)
+        return plan_layout(numel, 1.0, grad_dtype) if lay.dense else lay
 
     def nbytes(self, numel: int, grad_dtype: torch.dtype) -> int:
         return self.layout(numel, grad_dtype).nbytes

@@ -54,6 +54,10 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# --hybridep-grad-compression-values: the dtype of a compressed gradient's kept values (None: the gradient's)
+GRAD_VALUES = {"bf16": torch.bfloat16, "same": None}
+
+
 @dataclass(frozen=True)
 class MigrationConfig:
     """How experts move inside a domain. The defaults are exact (no compression)."""
@@ -68,6 +72,8 @@ class MigrationConfig:
     hold_copies: bool = True             # one gather per optimizer step, gradients returned once per iteration
     async_return: bool = False           # that return launched in the last backward, collected before the reduction
     check_finite: bool = False           # --check-for-nan-in-loss-and-grad: name a non-finite borrowed expert
+    grad_values: str = "bf16"            # kept values of compressed returned gradients: "bf16" (the rounding
+    #   stays in the error-feedback accumulator, so nothing is lost) or "same" (the gradient's own dtype)
     grad_warmup_steps: int = 0           # returned gradients ramp from exact to grad_compression_ratio over
     #   this many optimizer steps, geometrically (Deep Gradient Compression's density warm-up)
 
@@ -77,6 +83,9 @@ class MigrationConfig:
                 raise ValueError(f"MigrationConfig.{name} must be >= 1 (1 = exact); got {getattr(self, name)}")
         if self.shared_refresh_every < 0:
             raise ValueError("MigrationConfig.shared_refresh_every must be >= 0 (0 = never refresh)")
+        if self.grad_values not in GRAD_VALUES:
+            raise ValueError(f"MigrationConfig.grad_values must be one of {sorted(GRAD_VALUES)}, got "
+                             f"{self.grad_values!r}")
         if self.grad_warmup_steps < 0:
             raise ValueError("MigrationConfig.grad_warmup_steps must be >= 0 (0 = no warm-up)")
 
@@ -170,7 +179,8 @@ class DomainGather(ExpertExchange):
         self.codec = (SharedResidualCodec(self.config.compression_ratio,
                                           use_shared=self.config.use_shared or self.config.incremental)
                       if self.config.compresses_weights else None)
-        self.grad_codec = (ErrorFeedbackTopK(self.config.grad_compression_ratio)
+        self.grad_codec = (ErrorFeedbackTopK(self.config.grad_compression_ratio,
+                                             value_dtype=GRAD_VALUES[self.config.grad_values])
                            if self.config.compresses_grads else None)
         if self.codec is not None and (self.shared is None) == self.config.use_shared:
             raise ValueError("a shared+residual codec needs a SharedExpert (and plain top-k must not have one)")

@@ -37,6 +37,7 @@ Two CSV layouts are read.
             an estimate from throughput_tflops (default 0.05 TFLOP/s, a CPU core);
             dense_params: dense parameters all-reduced (fp32) over all ranks after the backward;
             compression_ratio (1): weights and returned gradients (hybridep-compressed);
+            grad_value_bytes (0: the gradient's own; 2: bf16, the runtime's default since 2026-11-26);
             a2a_efficiency (1): share of the WAN rate the token all-to-all gets (see layout 1);
             unshaped_s: the same point measured without WAN shaping (then the difference method
             of layout 1 is used, with unshaped_wan_gbps (default 10) as the unshaped WAN rate).
@@ -247,7 +248,8 @@ def _bench_points(rows: list[dict[str, str]], path: str, summary_path: str) -> l
                         borrowed_copies=copies)
         system = r["system"].lower()
         if system == "hybridep-compressed":
-            work = work.replace(compression_ratio=ratio, grad_compression_ratio=ratio)
+            # recorded before bf16 gradient values: the gradient's fp32
+            work = work.replace(compression_ratio=ratio, grad_compression_ratio=ratio, grad_value_bytes=0)
         plan = plan_for(system, shaped, work.num_experts, r.get("domain_sizes", ""), r.get("plan", ""), w)
         label = f"{system} {plan.label if system.startswith('hybridep') else ''} tokens={mbs * seq}"
         eff = float(probes.get(r.get("point", ""), {}).get("efficiency", 1.0))
@@ -272,7 +274,8 @@ def _point(r: dict[str, str], where: str, i: int) -> BenchPoint:
         grad_bytes=nbytes, throughput_tflops=_num(r, "throughput_tflops", where, 0.05), backend="gloo")
     ratio = _num(r, "compression_ratio", where, 1.0)
     if ratio > 1:
-        kw.update(compression_ratio=ratio, grad_compression_ratio=ratio)
+        kw.update(compression_ratio=ratio, grad_compression_ratio=ratio,
+                  grad_value_bytes=int(_num(r, "grad_value_bytes", where, 0)))
     work = Workload(**kw)
     t_pre = _num(r, "t_pre_s", where, -1.0)
     if t_pre > 0:

@@ -79,6 +79,7 @@ def workload_for(args: argparse.Namespace, world_size: int | None = None) -> Wor
     w = workload_from_settings({**vars(args), "hybridep_throughput_tflops": tflops}, "from arguments", dp)
     return w.replace(compression_ratio=weight_ratio(args),
                      grad_compression_ratio=grad_ratio(args),
+                     grad_value_bytes=2 if grad_values(args) == "bf16" else 0,
                      max_compressed_domain=getattr(args, "hybridep_max_compressed_domain", 0),
                      borrowed_copies=getattr(args, "hybridep_borrowed_copies", None) or "auto",
                      async_grad_return=bool(getattr(args, "hybridep_async_grad_return", False)),
@@ -99,6 +100,10 @@ def grad_ratio(args: argparse.Namespace) -> float:
     """The returned-gradient compression the job runs: the requested ratio, capped by
     --hybridep-max-grad-compression-ratio (0: no cap)."""
     return _capped(args.hybridep_grad_compression_ratio, getattr(args, "hybridep_max_grad_compression_ratio", 0.0))
+
+
+def grad_values(args: argparse.Namespace) -> str:
+    return getattr(args, "hybridep_grad_compression_values", None) or "bf16"
 
 
 def ratio_notice(args: argparse.Namespace) -> str | None:
@@ -124,6 +129,7 @@ def ratio_notice(args: argparse.Namespace) -> str | None:
 def migration_from_args(args: argparse.Namespace) -> MigrationConfig:
     return MigrationConfig(compression_ratio=weight_ratio(args),
                            grad_compression_ratio=grad_ratio(args),
+                           grad_values=grad_values(args),
                            grad_warmup_steps=getattr(args, "hybridep_grad_compression_warmup", 0),
                            use_shared=not args.hybridep_no_shared_expert,
                            shared_refresh_every=args.hybridep_shared_refresh_interval,

@@ -142,6 +142,8 @@ def test_ratio_systems_name_the_codec_settings():
     assert (both.compression_ratio, both.grad_compression_ratio) == (50, 50)
     assert not cold.exact_first_gather
     assert conv.system_config("alltoall") is None and conv.system_config("-cold") is None
+    # bare names keep the gradient's fp32 values (the curves recorded before); -b16: the runtime's default
+    assert g.grad_values == "same" and conv.system_config("w10g4-b16").grad_values == "bf16"
     with pytest.raises(SystemExit):
         conv.parse_args(["--systems", "alltoall,x10"])
 

@@ -91,6 +91,7 @@ def test_mutated_plan_works_or_names_the_field(case):
 
 HYBRIDEP_FLAGS = ["--hybridep-topology", "--hybridep-plan", "--hybridep-compression-ratio",
                   "--hybridep-grad-compression-ratio", "--hybridep-grad-compression-warmup",
+                  "--hybridep-grad-compression-values",
                   "--hybridep-shared-refresh-interval",
                   "--hybridep-residual-base", "--hybridep-throughput-tflops", "--hybridep-replan-interval",
                   "--hybridep-replan-horizon", "--hybridep-replan-replicas", "--hybridep-stall-timeout",

@@ -263,3 +263,36 @@ def test_shared_refresh_moves_every_copy_by_the_common_drift():
         # after 8 gathers the expert-specific part is shipped; the common drift rides on the refresh
         assert max(s[8:]) < 1e-5, s
         assert min(p[8:]) > 0.01, p  # without the shared expert the drift must go through top-k
+
+
+def _return_bytes(ctx, grad_values):
+    """Bytes one rank's compressed gradient return puts on the wire, with the kept values in
+    ``grad_values``, and the payload the wire format gives for that rank's chunk."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_hybridep.megatron import teardown
+    from megatron_hybridep.plan import wire
+    from megatron_hybridep.runtime.migration import MigrationConfig
+
+    _init(ctx)
+    runtime, layer = _domain_layer(ctx, MigrationConfig(4.0, 16.0, shared_refresh_every=0, grad_values=grad_values))
+    out, _ = layer(rank_input(SPEC, ctx.rank))
+    out.backward(rank_input(SPEC, ctx.rank, 99))
+    gather = layer._plan_state[0].gather
+    sent = runtime.stats.bytes_by(phase=Phase.GRAD_RETURN)
+    teardown()
+    ps.destroy_model_parallel()
+    return sent, {v: wire.payload_bytes(gather.numel, 16.0, v) for v in (2, 4)}
+
+
+def test_returned_gradients_carry_bf16_values_by_default():
+    """The default sends the kept values in bf16 (the fp32 gradient's rounding stays in the error
+    feedback: test_compressed_gradient_return_loses_nothing_over_steps runs on it); "same" keeps fp32."""
+    from megatron_hybridep.runtime.migration import MigrationConfig
+
+    assert MigrationConfig().grad_values == "bf16"
+    for (bf16, payload), (same, _) in zip(run_ranks(_return_bytes, 2, "bf16", timeout=120),
+                                          run_ranks(_return_bytes, 2, "same", timeout=120), strict=True):
+        assert bf16 == payload[2] and same == payload[4] and bf16 < 0.7 * same, (bf16, same, payload)
+    with pytest.raises(ValueError, match="grad_values"):
+        MigrationConfig(grad_values="fp8")

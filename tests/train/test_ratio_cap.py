@@ -136,3 +136,13 @@ def test_the_start_up_log_states_the_share_on_compressed_copies(capsys):
     assert "50% of the routed tokens computed on compressed copies" in capsys.readouterr().out
     Reporter(args, choice, SimpleNamespace(migration=MigrationConfig()), rank=0)  # exact: nothing to say
     assert "compressed copies" not in capsys.readouterr().out
+
+
+def test_the_gradient_value_dtype_reaches_the_runtime_and_the_planner():
+    args = parse(["--hybridep-grad-compression-ratio", "4"], default_config=PRESET)
+    assert migration_from_args(args).grad_values == "bf16" and workload_for(args, 4).grad_value_bytes == 2
+    same = parse(["--hybridep-grad-compression-ratio", "4", "--hybridep-grad-compression-values", "same"],
+                 default_config=PRESET)
+    assert migration_from_args(same).grad_values == "same" and workload_for(same, 4).grad_value_bytes == 0
+    # fp32 preset: the priced return shrinks with bf16 values (3 bytes per kept value with its index, not 5)
+    assert workload_for(args, 4).grad_wire_bytes < 0.7 * workload_for(same, 4).grad_wire_bytes

@@ -38,12 +38,14 @@ def test_every_system_trains_with_the_overlap_flag_and_the_same_data(ttl):
     table = ttl.systems(2, 4, 50.0, 10.0)
     assert set(table) == {"ep", "replicated", "hybridep", "hybridep-c", "pp", "auto", "auto-c"}
     assert "--overlap-grad-reduce" in ttl.MODEL
-    assert table["hybridep-c"][-8:] == ["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio",
-                                        "10", "--hybridep-max-compression-ratio", "0",
-                                        "--hybridep-max-grad-compression-ratio", "0"]  # what is asked, past the caps
-    assert table["auto-c"] == [*table["auto"], *table["hybridep-c"][-8:]]  # the planner prices the same ratios
-    assert ttl.systems(2, 4)["hybridep-c"][-8:-4] == ["--hybridep-compression-ratio", "10",
-                                                      "--hybridep-grad-compression-ratio", "4"]  # the default
+    assert table["hybridep-c"][-10:] == ["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio",
+                                         "10", "--hybridep-max-compression-ratio", "0",
+                                         "--hybridep-max-grad-compression-ratio", "0",  # what is asked, past the caps
+                                         "--hybridep-grad-compression-values", "bf16"]  # the runtime's default
+    assert table["auto-c"] == [*table["auto"], *table["hybridep-c"][-10:]]  # the planner prices the same ratios
+    assert ttl.systems(2, 4)["hybridep-c"][-10:-6] == ["--hybridep-compression-ratio", "10",
+                                                       "--hybridep-grad-compression-ratio", "4"]  # the default
+    assert ttl.systems(2, 4, grad_values="same")["hybridep-c"][-1] == "same"  # the runs recorded before
     assert table["pp"][:2] == ["--moe-token-dispatcher-type", "alltoall"] and "--pipeline-model-parallel-size" in \
         table["pp"]
 

@@ -18,6 +18,18 @@ def test_off_is_exact_and_stateless():
     assert torch.equal(acc, (1 + g.float()).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("ratio", [1.0, 1.2])
+def test_a_dense_payload_is_the_gradient_itself_whatever_the_value_dtype(ratio):
+    """bf16 values are for sparse payloads, whose rounding the feedback keeps; a dense one (ratio 1,
+    or sparse not smaller) has no feedback, so it carries the fp32 gradient, exact."""
+    ef = ErrorFeedbackTopK(ratio, value_dtype=torch.bfloat16)
+    g = torch.randn(1000)
+    p = ef.compress("e0", g)
+    assert p.numel() == 4000 and torch.equal(ef.decompress(p, shape=g.shape, dtype=g.dtype), g)
+    assert ErrorFeedbackTopK(4, value_dtype=torch.bfloat16).nbytes(1000, torch.float32) < 0.7 * \
+        ErrorFeedbackTopK(4).nbytes(1000, torch.float32)
+
+
 @pytest.mark.parametrize("dtype,vdt", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)])
 def test_error_feedback_nothing_is_lost(dtype, vdt):
     """sum(sent) + residual == sum(grads): the dropped part is delayed, never lost."""
