@@ -83,8 +83,8 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--hybridep-max-grad-compression-ratio", type=_cap, default=QUALITY_GRAD_RATIO,
                    help="cap on --hybridep-grad-compression-ratio (0 = none): over 1,200 steps on real text the "
                         "returned gradients at 10x cost +0.9%% in loss at equal steps over 8 seeds and up to 2.7%% "
-                        "on one, at 4x (with weights at 10x) +0.3%% and at most 1.2%% (docs/compression.md); "
-                        "raise it to accept that cost")
+                        "on one, at 4x (with weights at 10x, bf16 values) +0.2%% and at most 1.4%% "
+                        "(docs/compression.md); raise it to accept that cost")
     g.add_argument("--hybridep-max-compressed-domain", type=_count, default=QUALITY_MAX_COMPRESSED_DOMAIN,
                    metavar="S",
                    help="with compression, plan no domain of more than S ranks (default %(default)s, 0 = no cap): a "

@@ -24,7 +24,8 @@ BACKENDS = ("nccl", "gloo")
 
 # Returned-gradient compression above this costs model quality (docs/compression.md, 8 seeds on real
 # text over 1,200 steps: with weights at 10x, gradients 10x +0.97%, worst seed +2.2%; 4x +0.30%, worst
-# +1.2%); the runtime caps it here by default (--hybridep-max-grad-compression-ratio).
+# +1.2%, and with bf16 values, the default, +0.21%, worst +1.4%); the runtime caps it here by default
+# (--hybridep-max-grad-compression-ratio).
 QUALITY_GRAD_RATIO = 4.0
 # Expert weights above this ratio cost quality too (50x: worst seed +2.1% alone, +3.9% with gradients at
 # 10x; weights 10x cost little on top of the gradients' share, docs/compression.md); capped by default
@@ -88,7 +89,7 @@ class Workload:
     compression_ratio: float = 1.0           # parameters / values kept when shipping an expert (top-k residual)
     grad_compression_ratio: float = 1.0      # the same for the gradient returned to the owner
     grad_value_bytes: int = 2                # bytes per kept value of a compressed returned gradient (the runtime
-    #   sends bf16, its error feedback keeps the rounding; 0 = the gradient's own precision, as before 2026-11-26)
+    #   sends bf16, its error feedback keeps the rounding; 0 = the gradient's own precision)
     max_compressed_domain: int = 0           # compressed: plan no domain of more ranks (0 = no cap); a domain of S
     #   ranks computes 1 - 1/S of the routed tokens on compressed copies, and the loss cost grows with it
     compressed_expert_bytes: float | None = None  # bytes per shipped expert from a real codec (wins over ratio)
