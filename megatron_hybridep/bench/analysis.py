@@ -202,9 +202,8 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         f"(TCP goodput {summary['goodput_mbit']:.1f} Mbit/s), model {cfg.model.name}, "
         f"{cfg.warmup} warm-up + {cfg.iters} timed iterations of {cfg.micro_batches} micro-batch(es) "
         f"(borrowed copies: {cfg.borrowed_copies})"
-        + (f"; HybridEP-c: weights {cfg.compression_ratio:g}x, returned gradients {cfg.grad_compression_ratio:g}x"
-              f" ({cfg.grad_values} values)"
-           if "hybridep-compressed" in cfg.systems else ""),
+        + (f"; HybridEP-c: weights {cfg.compression_ratio:g}x, returned gradients {cfg.grad_compression_ratio:g}x "
+           f"({cfg.grad_values} values)" if "hybridep-compressed" in cfg.systems else ""),
         params_line(session.events),
         "", br.format_table(rows),
         "median of the timed iterations [min-max]; pred = cost-model prediction (WAN at the TCP goodput of the "
