@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from layout_vs_pp import MODEL, testbed_flags, write_topology  # noqa: E402 - the same model and topology as issue 25's
 
-from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO, QUALITY_WEIGHT_RATIO  # noqa: E402
+from megatron_hybridep.plan.workload import GRAD_VALUE_BYTES, QUALITY_GRAD_RATIO, QUALITY_WEIGHT_RATIO  # noqa: E402
 
 LINE = re.compile(r" iter +(\d+)/\d+ \| loss +([\d.]+|nan) \| step +([\d.]+) ms")
 
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-ratio", type=float, default=QUALITY_GRAD_RATIO,
                    help="hybridep-c's returned-gradient compression ratio (default: the runtime's quality cap; "
                         "docs/results.md's runs from before it was 4 used 10)")
-    p.add_argument("--grad-values", choices=("bf16", "same"), default="bf16",
+    p.add_argument("--grad-values", choices=tuple(GRAD_VALUE_BYTES), default="bf16",
                    help="hybridep-c's returned gradients' kept values: bf16 (the runtime's default) or the "
                         "gradient's fp32 (docs/results.md's runs from before 2026-11-26's change)")
     p.add_argument("--repeats", type=int, default=1)

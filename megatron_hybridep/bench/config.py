@@ -14,7 +14,7 @@ from megatron_hybridep.bench import predict as bp
 from megatron_hybridep.bench.report import AUTO  # the report (a leaf module) holds the one definition
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.model import ModelSpec
-from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO, QUALITY_WEIGHT_RATIO
+from megatron_hybridep.plan.workload import GRAD_VALUE_BYTES, QUALITY_GRAD_RATIO, QUALITY_WEIGHT_RATIO
 from megatron_hybridep.testbed.sh import TestbedError
 from megatron_hybridep.testbed.shaping import parse_rate_mbit
 
@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "feedback); "
                              f"default {d['grad_compression_ratio']:g}, the runtime's quality cap "
                              "(docs/compression.md)")
-    parser.add_argument("--grad-compression-values", choices=("bf16", "same"), default=None,
+    parser.add_argument("--grad-compression-values", choices=tuple(GRAD_VALUE_BYTES), default=None,
                         help=f"{COMPRESSED} and auto-c: the returned gradients' kept values in bf16 (default, the "
                              "runtime's) or in the gradient's fp32 (the runs recorded before 2026-11-26's change)")
     parser.add_argument("--micro-batches", type=int, default=None,

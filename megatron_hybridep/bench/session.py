@@ -27,6 +27,7 @@ from megatron_hybridep.bench.config import (
 )
 from megatron_hybridep.plan.layout import Layout, is_hybridep
 from megatron_hybridep.plan.plan import Plan
+from megatron_hybridep.plan.workload import GRAD_VALUE_BYTES
 from megatron_hybridep.testbed.network import Testbed
 from megatron_hybridep.testbed.selfcheck import TCP_GOODPUT_FRACTION, measure_throughput
 
@@ -202,7 +203,7 @@ class Session:
                      and m["system"] == COMPRESSED), 0.0)
         return calib.workload(self.cfg.model, point["tokens"], point["seq"], self.cfg.compression_ratio, sync,
                               grad_compression_ratio=self.cfg.grad_compression_ratio,
-                              grad_value_bytes=2 if self.cfg.grad_values == "bf16" else 0, **mode)
+                              grad_value_bytes=GRAD_VALUE_BYTES[self.cfg.grad_values], **mode)
 
     def choose_plan(self, point: int, system: str = "hybridep") -> Plan:
         """The planner's HybridEP plan for this point and system, from EP's calibration of it."""

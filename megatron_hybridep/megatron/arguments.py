@@ -9,7 +9,12 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO, QUALITY_MAX_COMPRESSED_DOMAIN, QUALITY_WEIGHT_RATIO
+from megatron_hybridep.plan.workload import (
+    GRAD_VALUE_BYTES,
+    QUALITY_GRAD_RATIO,
+    QUALITY_MAX_COMPRESSED_DOMAIN,
+    QUALITY_WEIGHT_RATIO,
+)
 
 HYBRIDEP_CHOICE = "hybridep"
 
@@ -90,7 +95,7 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="with compression, plan no domain of more than S ranks (default %(default)s, 0 = no cap): a "
                         "domain of S ranks computes 1 - 1/S of the routed tokens on compressed copies, and the loss "
                         "cost grew with that share (+1.0%% at 2 ranks, +2.6%% at 4; docs/compression.md)")
-    g.add_argument("--hybridep-grad-compression-values", choices=("bf16", "same"), default="bf16",
+    g.add_argument("--hybridep-grad-compression-values", choices=tuple(GRAD_VALUE_BYTES), default="bf16",
                    help="kept values of compressed returned gradients: bf16 (default: error feedback keeps the "
                         "rounding, so nothing is lost; 3 bytes per kept value with its index instead of 5 for fp32) "
                         "or same (the gradient's own dtype)")

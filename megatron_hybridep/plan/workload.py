@@ -27,6 +27,9 @@ BACKENDS = ("nccl", "gloo")
 # +1.2%, and with bf16 values, the default, +0.21%, worst +1.4%); the runtime caps it here by default
 # (--hybridep-max-grad-compression-ratio).
 QUALITY_GRAD_RATIO = 4.0
+# --hybridep-grad-compression-values: a compressed gradient's kept values -> Workload.grad_value_bytes
+# (0: the gradient's own precision); runtime/migration.py maps the same names to dtypes
+GRAD_VALUE_BYTES = {"bf16": 2, "same": 0}
 # Expert weights above this ratio cost quality too (50x: worst seed +2.1% alone, +3.9% with gradients at
 # 10x; weights 10x cost little on top of the gradients' share, docs/compression.md); capped by default
 # (--hybridep-max-compression-ratio).

@@ -13,7 +13,7 @@ from typing import Any
 from megatron_hybridep.plan.plan import Plan, PlanError
 from megatron_hybridep.plan.planner import PlanningResult, choose_plan
 from megatron_hybridep.plan.topology import Topology
-from megatron_hybridep.plan.workload import Workload
+from megatron_hybridep.plan.workload import GRAD_VALUE_BYTES, Workload
 from megatron_hybridep.runtime.logs import warn_once
 from megatron_hybridep.runtime.migration import MigrationConfig
 
@@ -79,7 +79,7 @@ def workload_for(args: argparse.Namespace, world_size: int | None = None) -> Wor
     w = workload_from_settings({**vars(args), "hybridep_throughput_tflops": tflops}, "from arguments", dp)
     return w.replace(compression_ratio=weight_ratio(args),
                      grad_compression_ratio=grad_ratio(args),
-                     grad_value_bytes=2 if grad_values(args) == "bf16" else 0,
+                     grad_value_bytes=GRAD_VALUE_BYTES[grad_values(args)],
                      max_compressed_domain=getattr(args, "hybridep_max_compressed_domain", 0),
                      borrowed_copies=getattr(args, "hybridep_borrowed_copies", None) or "auto",
                      async_grad_return=bool(getattr(args, "hybridep_async_grad_return", False)),
