@@ -4,7 +4,7 @@ Megatron, and what share of the shaped rate do they get?
 The bench's ``replicated`` system (EP inside each DC, experts replicated across DCs) reduces two
 gradient buffers at the end of the backward under --overlap-grad-reduce: the experts' over the
 expert-data-parallel group (the ranks with the same offset in every DC) and the dense parameters'
-over every rank. This runs those two all-reduces (gloo, both launched async, the dense one first as
+over every rank. This runs those two all-reduces (gloo, both launched async, the experts' first as
 Megatron's bucket groups do) with the sizes the bench's ranks count for bench-moe-deep, and reports
 each rank's time, the bytes that crossed each DC uplink (link counters) and the share of the shaped
 rate those bytes got. No Megatron, no model: what is left is the network and gloo.
@@ -45,8 +45,8 @@ def rank_main(expert_n: int, dense_n: int, repeats: int) -> None:
     for _ in range(repeats):
         dist.barrier()
         t0 = time.perf_counter()
-        works = [dist.all_reduce(dense, async_op=True), dist.all_reduce(experts, group=groups[rank % per_dc],
-                                                                          async_op=True)]
+        works = [dist.all_reduce(experts, group=groups[rank % per_dc], async_op=True),
+                 dist.all_reduce(dense, async_op=True)]
         for w in works:
             w.wait()
         times.append(time.perf_counter() - t0)
