@@ -88,6 +88,12 @@ def testbed_flags(p: argparse.ArgumentParser, rate: float) -> None:
     p.add_argument("--rate", type=float, default=rate, help="Mbit/s per DC uplink")
     p.add_argument("--intra-gbps", type=float, default=2.0, help="what the planner assumes for loopback inside a DC")
     p.add_argument("--global-batch", type=int, default=64, help="4 micro-batches of 4 at PP 1 on 2 x 2")
+    p.add_argument("--queue-ms", type=float, default=0.0,
+                   help="queue before each uplink's rate limit as ms at the rate, e.g. 50 (a shallow-buffer link); "
+                        "default 0: the kernel's 1000 packets")
+    p.add_argument("--congestion", default="reno",
+                   help="TCP congestion control inside the DCs (default reno); host: the host's default (BBR here), "
+                        "which the runs recorded before 2026-11-27 had")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     topology = write_topology(out / "topology.yaml", args.dcs, args.ranks_per_dc, args.rate, args.intra_gbps)
     print("# " + " ".join([sys.executable, *sys.argv]), flush=True)
     runs: dict[str, list[dict]] = {s: [] for s in table}
-    with Testbed(TestbedConfig(dcs=args.dcs, ranks_per_dc=args.ranks_per_dc, rate_mbit=args.rate)) as tb:
+    with Testbed(TestbedConfig(dcs=args.dcs, ranks_per_dc=args.ranks_per_dc, rate_mbit=args.rate,
+                               queue_ms=args.queue_ms or None, congestion=args.congestion)) as tb:
+        print("# " + tb.describe(), flush=True)
         for r in range(args.repeats):
             for s in (list(table) if r % 2 == 0 else list(table)[::-1]):
                 runs[s].append(run_one(tb, table[s], args, topology))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import statistics
@@ -102,7 +103,8 @@ def make_row(cfg: BenchConfig, e: dict[str, Any], base: dict[str, Any], pred: bp
         wan_tx_mb=sum(c["tx_bytes"] for c in link) / n / it / 1e6,
         wan_rx_mb=sum(c["rx_bytes"] for c in link) / n / it / 1e6,
         pred_wan_mb=pred.dc_uplink_bytes / TCP_GOODPUT_FRACTION / 1e6,
-        payload_dc_mb=payload / 1e6, loadavg=sum(e["loadavg"]) / 2)
+        payload_dc_mb=payload / 1e6, loadavg=sum(e["loadavg"]) / 2,
+        tcp_rto_per_it=sum(c.get("tcp_timeouts", math.nan) for c in link) / it)
 
 
 def params_line(events: list[dict[str, Any]]) -> str:
@@ -189,6 +191,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         "layouts": session.info.get("layouts", {}),  # pp's and auto's layout and stage plan per "point system"
         "same_as": session.info.get("same_as", {}),  # "point system" -> the system whose layout auto(-c) chose
         "overlap_grad_reduce": cfg.overlap_grad_reduce,
+        "queue_ms": cfg.queue_ms, "congestion": cfg.congestion,
         "grad_compression_ratio": cfg.grad_compression_ratio,
         "grad_values": cfg.grad_values,
         "targets": [c.__dict__ for c in checks],
@@ -199,7 +202,9 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
     text = [
         f"machine: {summary['machine']}",
         f"testbed: {cfg.dcs} DCs x {cfg.ranks_per_dc} ranks, WAN {cfg.rate_text} per DC uplink "
-        f"(TCP goodput {summary['goodput_mbit']:.1f} Mbit/s), model {cfg.model.name}, "
+        f"(TCP goodput {summary['goodput_mbit']:.1f} Mbit/s; queue "
+        f"{f'{cfg.queue_ms:g} ms' if cfg.queue_ms else '1000 packets'}; TCP {cfg.congestion}), "
+        f"model {cfg.model.name}, "
         f"{cfg.warmup} warm-up + {cfg.iters} timed iterations of {cfg.micro_batches} micro-batch(es) "
         f"(borrowed copies: {cfg.borrowed_copies})"
         + (f"; HybridEP-c: weights {cfg.compression_ratio:g}x, returned gradients {cfg.grad_compression_ratio:g}x "

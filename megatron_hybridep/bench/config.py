@@ -15,6 +15,7 @@ from megatron_hybridep.bench.report import AUTO  # the report (a leaf module) ho
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.model import ModelSpec
 from megatron_hybridep.plan.workload import GRAD_VALUE_BYTES, QUALITY_GRAD_RATIO, QUALITY_WEIGHT_RATIO
+from megatron_hybridep.testbed.network import CONGESTION_DEFAULT
 from megatron_hybridep.testbed.sh import TestbedError
 from megatron_hybridep.testbed.shaping import parse_rate_mbit
 
@@ -30,7 +31,8 @@ PRICED_COMPRESSED = (COMPRESSED, "auto-c")  # systems planned and priced with th
 SPAN = 32  # token traffic range of the sweep (paper: 6..192 MB)
 DEFAULTS: dict[str, Any] = {"dcs": 2, "ranks_per_dc": 2, "rate": "50mbit", "points": 6, "min_tokens": 128,
                             "seq": 128, "warmup": 2, "iters": 7, "systems": ",".join(SYSTEMS), "timeout": 1800.0,
-                            "burst_ms": 1.0, "compression_ratio": QUALITY_WEIGHT_RATIO,
+                            "burst_ms": 1.0, "queue_ms": 0.0, "congestion": CONGESTION_DEFAULT,
+                            "compression_ratio": QUALITY_WEIGHT_RATIO,
                             "grad_compression_ratio": QUALITY_GRAD_RATIO, "grad_values": "bf16", "micro_batches": 1,
                             "borrowed_copies": "auto", "overlap_grad_reduce": True}
 COPIES = ("auto", "iteration", "microbatch")  # --hybridep-borrowed-copies; auto = iteration (bench models fit)
@@ -67,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burst-ms", type=float, default=None,
                         help="HTB bucket of each uplink as time at the rate (TestbedConfig.burst_ms; default "
                              "1 ms, like a real link that banks no idle time; 0 keeps the testbed's >= 70 KB)")
+    parser.add_argument("--queue-ms", type=float, default=None,
+                        help="queue before each uplink's rate limit as ms at the rate (TestbedConfig.queue_ms), e.g. "
+                             "50: a shallow-buffer link; default 0: the kernel's 1000 packets")
+    parser.add_argument("--congestion", default=None,
+                        help=f"TCP congestion control inside the DCs (TestbedConfig.congestion; default "
+                             f"{d['congestion']}); host: the host's default, which the runs recorded before 2026-11-27 "
+                             "had (BBR here)")
     parser.add_argument("--compression-ratio", type=float, default=None,
                         help=f"{COMPRESSED} and auto-c: element ratio of the shipped expert weights "
                              f"(shared + top-k residual) (default {d['compression_ratio']:g}, the runtime's "
@@ -122,6 +131,8 @@ class BenchConfig:
     micro_batches: int = 1
     borrowed_copies: str = "auto"
     overlap_grad_reduce: bool = True
+    queue_ms: float = DEFAULTS["queue_ms"]  # 0: the kernel's 1000-packet queue
+    congestion: str = DEFAULTS["congestion"]  # "host": the host's default (runs before 2026-11-27)
     grad_values: str = DEFAULTS["grad_values"]  # the returned gradients' kept values: bf16 or "same" (fp32 here)
 
     def system_micro_batches(self, system: str, pp: int = 1) -> int:
@@ -144,7 +155,9 @@ class BenchConfig:
         argv += ["--dcs", str(self.dcs), "--ranks-per-dc", str(self.ranks_per_dc), "--rate", self.rate_text,
                  "--points", str(len(self.points)), "--min-tokens", str(self.min_tokens), "--seq", str(self.seq),
                  "--warmup", str(self.warmup), "--iters", str(self.iters), "--systems", ",".join(self.systems),
-                 "--burst-ms", f"{self.burst_ms:g}"]
+                 "--burst-ms", f"{self.burst_ms:g}", "--congestion", self.congestion]
+        if self.queue_ms:
+            argv += ["--queue-ms", f"{self.queue_ms:g}"]
         if any(s in self.systems for s in PRICED_COMPRESSED):
             argv += ["--compression-ratio", f"{self.compression_ratio:g}",
                      "--grad-compression-ratio", f"{self.grad_compression_ratio:g}",
@@ -219,6 +232,10 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     burst_ms = float(get("burst_ms"))
     if burst_ms < 0:
         raise BenchError(f"--burst-ms: must be >= 0, got {burst_ms}; fix: 1 (a real link) or 0 (the testbed's)")
+    queue_ms = float(get("queue_ms"))
+    if queue_ms < 0:
+        raise BenchError(f"--queue-ms: must be >= 0, got {queue_ms:g}; fix: e.g. 50, or 0 (the kernel's 1000 "
+                         "packets)")
     ratio = float(get("compression_ratio"))
     if not ratio > 1:
         raise BenchError(f"--compression-ratio: must be > 1 for {COMPRESSED}, got {ratio:g}; fix: e.g. "
@@ -235,4 +252,5 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(model, model_path or "builtin", dcs, k, rate, rate_text, sweep(min_tokens, seq, points), seq,
                        min_tokens, warmup, iters, systems, out, float(get("timeout")), bool(args.smoke), burst_ms,
                        ratio, grad_ratio, bool(getattr(args, "quiet", False)), micro, str(get("borrowed_copies")),
-                       bool(get("overlap_grad_reduce")), grad_values=str(get("grad_values")))
+                       bool(get("overlap_grad_reduce")), queue_ms=queue_ms,
+                       congestion=str(get("congestion")), grad_values=str(get("grad_values")))

@@ -51,6 +51,7 @@ def recorded_session(out: Path) -> tuple[dict[str, Any], Session]:
     cfg.overlap_grad_reduce = bool(summary.get("overlap_grad_reduce", False))  # runs before the flag had none
     # runs before --grad-compression-ratio returned gradients at the weights' ratio
     cfg.grad_compression_ratio = float(summary.get("grad_compression_ratio", cfg.compression_ratio))
+    cfg.congestion = summary.get("congestion", "host")  # runs before 2026-11-27 had the host's TCP (BBR here)
     cfg.grad_values = summary.get("grad_values", "same")  # runs before bf16 values sent the gradient's fp32
     session = Session(cfg, tb=None, log=io.StringIO())  # type: ignore[arg-type]  # nothing is shaped
     session.events = recorded_events(out)

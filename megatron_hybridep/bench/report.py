@@ -68,6 +68,7 @@ class Row:
     pred_wan_mb: float  # predicted wire bytes per DC uplink, direction and iteration
     payload_dc_mb: float  # token/expert payload to other DCs per rank and iteration (instrumented)
     loadavg: float  # the machine's 1-minute load average around the timed window (cores are shared)
+    tcp_rto_per_it: float = float("nan")  # TCP retransmission timeouts per iteration, all DCs (runs before: nan)
 
 
 def quartiles(xs: Sequence[float]) -> tuple[float, float]:
@@ -108,7 +109,7 @@ def format_table(rows: Sequence[Row]) -> str:
 def format_phases(rows: Sequence[Row]) -> str:
     """Predicted vs measured per phase (ms per iteration)."""
     head = (f"{'pt':>2} {'system':<11} {'a2a fwd meas/pred':>18} {'gather wait m/p':>16} "
-            f"{'grad return m/p':>16} {'grad all-reduce m/p':>20} {'WAN MB m/p':>13}")
+            f"{'grad return m/p':>16} {'grad all-reduce m/p':>20} {'WAN MB m/p':>13} {'TCP RTO/it':>10}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
@@ -117,7 +118,7 @@ def format_phases(rows: Sequence[Row]) -> str:
             f"{_ms(r.meas_gather_wait_s):>7} /{_ms(r.pred_gather_wait_s):>7} "
             f"{_ms(r.meas_grad_return_s):>7} /{_ms(r.pred_grad_return_full_s):>7} "
             f"{_ms(r.meas_grad_sync_s):>9} /{_ms(r.pred_grad_sync_s):>9} "
-            f"{r.wan_tx_mb:>6.2f}/{r.pred_wan_mb:<6.2f}")
+            f"{r.wan_tx_mb:>6.2f}/{r.pred_wan_mb:<6.2f} {r.tcp_rto_per_it:>10.1f}")
     return "\n".join(lines)
 
 

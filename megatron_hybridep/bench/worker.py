@@ -43,15 +43,30 @@ PREFIX = "BENCH "
 WAN_DEV = "wan0"
 
 
-def wan_counters(dev: str = WAN_DEV) -> tuple[int, int]:
-    """(tx_bytes, rx_bytes) of `dev` in this process's network namespace."""
+def _proc_net_row(path: str, table: str) -> dict[str, int]:
+    """One table of /proc/net/snmp or /proc/net/netstat (a header line and a value line per table)."""
+    with open(path) as f:
+        lines = [line.split() for line in f if line.startswith(table + ":")]
+    return dict(zip(lines[0][1:], map(int, lines[1][1:]), strict=True)) if len(lines) == 2 else {}
+
+
+def wan_counters(dev: str = WAN_DEV) -> tuple[int, int, int, int]:
+    """(tx_bytes, rx_bytes, TCP retransmission timeouts, retransmitted segments) of this process's network
+    namespace: `dev`'s bytes and the namespace's TCP counters (its DC's senders; a timeout stalls a flow
+    for >= 200 ms, which no cost model prices)."""
     with open("/proc/net/dev") as f:
         for line in f:
             name, _, rest = line.partition(":")
             if name.strip() == dev:
                 fields = rest.split()
-                return int(fields[8]), int(fields[0])
+                tcp_ext, tcp = _proc_net_row("/proc/net/netstat", "TcpExt"), _proc_net_row("/proc/net/snmp", "Tcp")
+                return int(fields[8]), int(fields[0]), tcp_ext.get("TCPTimeouts", 0), tcp.get("RetransSegs", 0)
     raise RuntimeError(f"no interface {dev} in this namespace: run the worker through the testbed launcher")
+
+
+def _link_delta(dc: int, before: tuple[int, ...], after: tuple[int, ...]) -> dict[str, int]:
+    names = ("tx_bytes", "rx_bytes", "tcp_timeouts", "tcp_retrans")
+    return {"dc": dc, **{k: a - b for k, a, b in zip(names, after, before, strict=True)}}
 
 
 def timed_all_to_alls(nbytes: int, repeats: int, before_timed: Any = None) -> tuple[int, list[float]]:
@@ -168,8 +183,7 @@ class Worker:
                                          if self.local_rank == 0 else None)
             link = None
             if before:
-                tx, rx = wan_counters()
-                link = {"dc": self.dc, "tx_bytes": tx - before[0][0], "rx_bytes": rx - before[0][1]}
+                link = _link_delta(self.dc, before[0], wan_counters())
             links: list[Any] = [None] * self.world
             dist.all_gather_object(links, link)
             if self.rank == 0:
@@ -308,8 +322,7 @@ class Worker:
         dist.barrier()
         link = None
         if counters0 is not None:
-            tx, rx = wan_counters()
-            link = {"dc": self.dc, "tx_bytes": tx - counters0[0], "rx_bytes": rx - counters0[1]}
+            link = _link_delta(self.dc, counters0, wan_counters())
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, {"rank": self.rank, "rows": rows, "link": link})
         if self.rank != 0:

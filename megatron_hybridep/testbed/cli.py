@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from megatron_hybridep.testbed import netns, shaping
-from megatron_hybridep.testbed.network import DC_DEV, Testbed, TestbedConfig
+from megatron_hybridep.testbed.network import CONGESTION_DEFAULT, DC_DEV, Testbed, TestbedConfig
 from megatron_hybridep.testbed.sh import TestbedError, preflight, sh
 
 DEFAULT_PREFIX = "hep-up"
@@ -28,6 +28,14 @@ def _topology_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst", default="default",
                    help="HTB bucket of each uplink as time at the rate, e.g. 1ms (a link that banks no idle "
                         "time); default: >= 70 KB, which lets the first 70 KB after an idle gap pass unshaped")
+    p.add_argument("--queue", default="kernel",
+                   help="queue before each uplink's rate limit as time at the rate, e.g. 50ms (at least "
+                        f"{shaping.MIN_QUEUE_FRAMES} frames): a shallow-buffer link; default kernel: its 1000 packets "
+                        "(1.2 s at 10 Mbit/s)")
+    p.add_argument("--congestion", default=CONGESTION_DEFAULT,
+                   help=f"TCP congestion control inside the DCs (default {CONGESTION_DEFAULT}: loss-based, as Linux's "
+                        "default Cubic); host: the host's default (this machine's BBR, which the runs before "
+                        "2026-11-27 had)")
     p.add_argument("--fabric", default="none",
                    help="each DC's internal fabric, shared by its ranks (lo inside the DC): e.g. 800mbit; "
                         "default none (unshaped, ~30 Gbit/s)")
@@ -65,6 +73,8 @@ def _config(args: argparse.Namespace, prefix: str | None, persistent: bool) -> T
         delay_ms=shaping.parse_time_ms(args.delay),
         jitter_ms=shaping.parse_time_ms(args.jitter),
         burst_ms=shaping.parse_burst_ms(args.burst),
+        queue_ms=args.queue,
+        congestion=args.congestion,
         fabric_mbit=shaping.parse_rate_mbit(args.fabric),
         prefix=prefix,
         persistent=persistent,

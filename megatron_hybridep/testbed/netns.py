@@ -222,7 +222,11 @@ def in_netns[T](name: str, fn: Callable[[], T], timeout_s: float = 10.0) -> T:
 
     def target() -> None:
         try:
-            fd = os.open(NETNS_DIR / name, os.O_RDONLY)
+            try:
+                fd = os.open(NETNS_DIR / name, os.O_RDONLY)
+            except FileNotFoundError:
+                box["missing"] = True
+                return
             try:
                 os.setns(fd, os.CLONE_NEWNET)
             finally:
@@ -236,11 +240,10 @@ def in_netns[T](name: str, fn: Callable[[], T], timeout_s: float = 10.0) -> T:
     t.join(timeout_s)
     if t.is_alive():
         raise TestbedError(f"operation inside namespace {name} did not finish within {timeout_s:g} s")
+    if "missing" in box:  # only the namespace's own file: fn's FileNotFoundError is fn's
+        raise TestbedError(f"network namespace {name} does not exist")
     if "error" in box:
-        exc = box["error"]
-        if isinstance(exc, FileNotFoundError):
-            raise TestbedError(f"network namespace {name} does not exist") from exc
-        raise exc  # type: ignore[misc]
+        raise box["error"]  # type: ignore[misc]
     return box["value"]  # type: ignore[return-value]
 
 

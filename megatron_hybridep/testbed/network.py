@@ -26,11 +26,13 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -39,6 +41,11 @@ from megatron_hybridep.testbed.launcher import LaunchResult, RankGroup, RankInfo
 from megatron_hybridep.testbed.selfcheck import SelfCheckReport
 from megatron_hybridep.testbed.sh import TestbedError, preflight, sh
 
+# loss-based like Linux's default Cubic, and always allowed in a namespace (Cubic need not be: here only
+# "reno bbr" are in tcp_allowed_congestion_control); on these ~1 ms round trips the two behave alike
+CONGESTION_DEFAULT = "reno"
+CONGESTION_SYSCTL = Path("/proc/sys/net/ipv4/tcp_congestion_control")
+CONGESTION_ALLOWED = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 DC_DEV = "wan0"  # the DC's uplink interface inside its namespace (GLOO_SOCKET_IFNAME)
 BRIDGE = "br0"
 MAX_DCS = 250
@@ -75,6 +82,10 @@ class TestbedConfig:
     delay_ms: float = 0.0
     jitter_ms: float = 0.0
     burst_ms: float | None = None  # HTB bucket of every shaped end as ms at the rate; None: >= 70 KB (shaping.py)
+    # queue before each uplink's rate limit as ms at the rate; None or 0: the kernel's 1000 packets (shaping.py)
+    queue_ms: float | str | None = None
+    # TCP congestion control of the DC namespaces; None or "host": the host's default (this machine: BBR)
+    congestion: str | None = CONGESTION_DEFAULT
     fabric_mbit: float | None = None  # each DC's internal fabric (lo, shared by its ranks); None = unshaped
     subnet: str = "10.77.0"  # a /24 that exists only inside our namespaces; DC i is .(i+1)
     prefix: str | None = None  # default "hep-<pid>"
@@ -107,6 +118,13 @@ class TestbedConfig:
         if self.jitter_ms > 0 and self.delay_ms == 0:
             raise TestbedError("jitter needs a delay (netem varies the delay by +- jitter)")
         shaping.parse_burst_ms(self.burst_ms)
+        if self.congestion is not None and not re.fullmatch(r"[a-z0-9_]+", self.congestion):
+            raise TestbedError(f"congestion (--congestion) must be a TCP congestion control name such as reno, or "
+                               f"host for the host's default; got {self.congestion!r}")
+        try:
+            shaping.parse_queue_ms(self.queue_ms)
+        except TestbedError as exc:
+            raise TestbedError(f"queue_ms (--queue-ms): {exc}") from None
         self.rates()
         self.fabric()
 
@@ -207,17 +225,34 @@ class Testbed:
             sh(["ip", "-n", sw, "link", "set", port, "up"])
             sh(["ip", "-n", ns, "addr", "add", f"{self.address(dc)}/24", "dev", DC_DEV])
             sh(["ip", "-n", ns, "link", "set", DC_DEV, "up"])
-            burst = shaping.parse_burst_ms(self.config.burst_ms)
-            dc_shape = shaping.LinkShape(rates[dc], self.config.delay_ms, self.config.jitter_ms, burst)
+            self._set_congestion(ns)
+            burst, queue = shaping.parse_burst_ms(self.config.burst_ms), shaping.parse_queue_ms(self.config.queue_ms)
+            dc_shape = shaping.LinkShape(rates[dc], self.config.delay_ms, self.config.jitter_ms, burst, queue)
             if dc_shape.needs_netem and not netem_checked:
                 if not shaping.netem_available(ns, DC_DEV):
                     raise shaping._netem_missing(TestbedError("Specified qdisc kind is unknown"))
                 netem_checked = True
             self._apply(dc, ns, DC_DEV, dc_shape)
-            self._apply(dc, sw, port, shaping.LinkShape(rates[dc], burst_ms=burst))
+            self._apply(dc, sw, port, shaping.LinkShape(rates[dc], burst_ms=burst, queue_ms=queue))
             if (fabric := self.config.fabric()) is not None:
                 # lo carries 64 KB packets: the default >= 70 KB bucket, never the wire-size setting
                 shaping.apply(ns, "lo", shaping.LinkShape(fabric))
+
+    def congestion(self) -> str | None:
+        """The TCP congestion control the DC namespaces run (None: the host's default)."""
+        cc = self.config.congestion
+        return None if cc in (None, "host") else cc
+
+    def _set_congestion(self, ns: str) -> None:
+        if (cc := self.congestion()) is None:
+            return
+        try:
+            netns.in_netns(ns, lambda: CONGESTION_SYSCTL.write_text(cc))
+        except OSError as exc:
+            allowed = CONGESTION_ALLOWED.read_text().strip() if CONGESTION_ALLOWED.exists() else "?"
+            raise TestbedError(f"congestion (--congestion): cannot run TCP {cc} in the DC namespaces ({exc.strerror}); "
+                               f"a namespace may use only tcp_allowed_congestion_control's: {allowed}. Fix: "
+                               f"--congestion {CONGESTION_DEFAULT}, or --congestion host") from None
 
     def _apply(self, dc: int, ns: str, dev: str, shape: shaping.LinkShape) -> None:
         if shape.rate_mbit is not None or shape.needs_netem:
@@ -305,10 +340,10 @@ class Testbed:
         tb = cls(cfg)
         tb._is_up, tb._owned = True, False
         tb._owner_pid = state.get("owner_pid", os.getpid())
-        burst = shaping.parse_burst_ms(cfg.burst_ms)
+        burst, queue = shaping.parse_burst_ms(cfg.burst_ms), shaping.parse_queue_ms(cfg.queue_ms)
         for dc, rate in enumerate(state.get("rates_mbit") or cfg.rates()):
-            tb._shapes[(dc, tb.netns(dc))] = shaping.LinkShape(rate, cfg.delay_ms, cfg.jitter_ms, burst)
-            tb._shapes[(dc, tb.switch_netns)] = shaping.LinkShape(rate, burst_ms=burst)
+            tb._shapes[(dc, tb.netns(dc))] = shaping.LinkShape(rate, cfg.delay_ms, cfg.jitter_ms, burst, queue)
+            tb._shapes[(dc, tb.switch_netns)] = shaping.LinkShape(rate, burst_ms=burst, queue_ms=queue)
         return tb
 
     # ---------------------------------------------------------------------------- shaping
@@ -413,6 +448,9 @@ class Testbed:
         rates = ", ".join("unshaped" if r is None else f"{r:g}" for r in self.rates())
         burst = shaping.parse_burst_ms(self.config.burst_ms)
         extra = "" if burst is None else f", HTB burst {burst:g} ms"
+        queue = shaping.parse_queue_ms(self.config.queue_ms)
+        extra += ", queue: the kernel's 1000 packets" if queue is None else f", queue {queue:g} ms"
+        extra += f", TCP {self.congestion() or 'of the host'}"
         if self.config.delay_ms:
             extra += f", delay {self.config.delay_ms:g} ms"
             if self.config.jitter_ms:

@@ -1,6 +1,6 @@
 """tc shaping of one end of a DC uplink: HTB for the rate, netem (child of HTB) for delay/jitter.
 
-Layout on a shaped device:  root 1: htb default 1  ->  class 1:1 (rate = ceil)  [-> 10: netem]
+Layout on a shaped device:  root 1: htb default 1  ->  class 1:1 (rate = ceil)  [-> 10: netem | bfifo]
 A single HTB class (not TBF) lets `set_rate` change the rate with `tc class change` while traffic
 flows, without resetting the queue. The HTB bucket (burst) defaults to >= 70 KB (one 64 KiB GSO
 super-packet); ``burst_ms`` sets it to that many ms at the rate instead (>= 2 frames), like a real
@@ -11,6 +11,11 @@ whenever its bucket is positive, so a 64 KB GSO packet would pass a 6 KB bucket 
 a 64 KB send after idle took 5.9 ms instead of 11 ms at 50 Mbit/s; with this, 10.0 ms). The uplink
 is shaped on both ends of its veth pair (egress of the DC side and egress of the switch-side port),
 so both directions are limited.
+
+The queue in front of the rate limit is the kernel's 1000 packets (1.2 s at 10 Mbit/s) unless
+``queue_ms`` sizes it as time at the rate, a shallow-buffer link: a bfifo leaf, in bytes because GSO
+packets are up to 64 KB (netem's limit, in frames, when there is a delay). docs/testbed.md ("Queue and
+TCP") has what each does to gloo's collectives.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ _TIME_UNITS = {"": 1.0, "ms": 1.0, "msec": 1.0, "s": 1e3, "sec": 1e3, "us": 1e-3
 _NUM = r"(\d+(?:\.\d*)?|\.\d+)"
 MAX_FRAME = 1514  # bytes of a full Ethernet frame at MTU 1500
 GSO_MAX_SEGS_DEFAULT = 65535  # the kernel's default segments per GSO packet
+MIN_QUEUE_FRAMES = 8  # at very low rates: room for a few flows' bursts
+GSO_MAX_BYTES = 65_536  # one GSO super-packet (the default bucket keeps GSO on)
 
 
 def parse_rate_mbit(text: str | float | int | None) -> float | None:
@@ -84,6 +91,7 @@ class LinkShape:
     delay_ms: float = 0.0  # added one-way latency (netem)
     jitter_ms: float = 0.0  # +- variation of the delay (netem; reorders packets)
     burst_ms: float | None = None  # HTB bucket as time at the rate; None: >= 70 KB (module doc)
+    queue_ms: float | None = None  # queue before the rate limit as time at it; None: the kernel's 1000 packets
 
     @property
     def needs_netem(self) -> bool:
@@ -102,6 +110,23 @@ def parse_burst_ms(text: str | float | int | None) -> float | None:
     if value <= 0:
         raise TestbedError(f"burst must be positive, got {text!r}: use e.g. 1ms, or 'default' for the 70 KB bucket")
     return value
+
+
+def parse_queue_ms(value: str | float | int | None) -> float | None:
+    """'50ms' or 50 -> 50.0; None, 0, 'kernel' -> None (the kernel's 1000-packet queue); must be >= 0."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("kernel", "0", "0ms")):
+        return None
+    ms = parse_time_ms(value)
+    if ms < 0:
+        raise TestbedError(f"queue must be >= 0 ms, got {value!r}: use e.g. 50ms, or 0 for the kernel's 1000 packets")
+    return ms or None
+
+
+def queue_bytes(mbit: float, queue_ms: float, gso: bool = False) -> int:
+    """Bytes the uplink queue holds: queue_ms at the rate, at least MIN_QUEUE_FRAMES frames, and with GSO
+    on (no burst_ms) two super-packets, or one would never fit."""
+    floor = 2 * GSO_MAX_BYTES if gso else MIN_QUEUE_FRAMES * MAX_FRAME
+    return max(floor, round(mbit * 1e6 / 8 * queue_ms / 1e3))
 
 
 def _htb_params(mbit: float, burst_ms: float | None = None) -> list[str]:
@@ -130,7 +155,11 @@ def _netem_params(shape: LinkShape, rate_mbit: float | None) -> list[str]:
         params.append(f"{shape.jitter_ms:g}ms")
     # the netem queue must hold a bandwidth-delay product of packets, or it drops and TCP backs off
     bdp_pkts = int((rate_mbit or 10_000) * 1e6 / 8 * (shape.delay_ms + shape.jitter_ms) / 1e3 / 1500)
-    params += ["limit", str(max(1000, 4 * bdp_pkts))]
+    if shape.queue_ms is not None and rate_mbit is not None:  # the delay line plus the queue
+        queue = queue_bytes(rate_mbit, shape.queue_ms, gso=shape.burst_ms is None)
+        params += ["limit", str(bdp_pkts + -(-queue // MAX_FRAME))]
+    else:
+        params += ["limit", str(max(1000, 4 * bdp_pkts))]
     return params
 
 
@@ -176,6 +205,9 @@ def apply(ns: str, dev: str, shape: LinkShape) -> None:
             if "unknown" in str(exc).lower():
                 raise _netem_missing(exc) from exc
             raise
+    elif shape.rate_mbit is not None and shape.queue_ms is not None:
+        sh([*tc, "qdisc", "add", "dev", dev, *parent, "bfifo", "limit",
+            str(queue_bytes(shape.rate_mbit, shape.queue_ms, gso=shape.burst_ms is None))])
     if shape.burst_ms is not None:  # wire-size packets under a small bucket (module doc)
         segs = 1 if shape.rate_mbit is not None else GSO_MAX_SEGS_DEFAULT
         sh(["ip", "-n", ns, "link", "set", "dev", dev, "gso_max_segs", str(segs)])
@@ -183,10 +215,14 @@ def apply(ns: str, dev: str, shape: LinkShape) -> None:
 
 def change_rate(ns: str, dev: str, old: LinkShape, new_rate_mbit: float | None) -> LinkShape:
     """Change the rate of a shaped end; live (`tc class change`) when HTB is already there."""
-    new = LinkShape(new_rate_mbit, old.delay_ms, old.jitter_ms, old.burst_ms)
+    new = LinkShape(new_rate_mbit, old.delay_ms, old.jitter_ms, old.burst_ms, old.queue_ms)
     if old.rate_mbit is not None and new_rate_mbit is not None:
         sh(["tc", "-n", ns, "class", "change", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
             *_htb_params(new_rate_mbit, new.burst_ms)])
+        if new.queue_ms is not None:  # the queue keeps its time at the new rate (queued packets stay)
+            leaf = (["netem", *_netem_params(new, new_rate_mbit)] if new.needs_netem
+                    else ["bfifo", "limit", str(queue_bytes(new_rate_mbit, new.queue_ms, gso=new.burst_ms is None))])
+            sh(["tc", "-n", ns, "qdisc", "change", "dev", dev, "parent", "1:1", "handle", "10:", *leaf])
     else:
         apply(ns, dev, new)  # adding or removing the rate limit changes the qdisc tree
     return new

@@ -47,6 +47,8 @@ def test_bench_smoke_end_to_end(smoke_m1):
     for r in rows:
         assert float(r["median_s"]) > 0 and float(r["min_s"]) > 0, r
         assert float(r["predicted_s"]) > 0 and float(r["wan_tx_mb"]) > 0, r
+        assert 0 <= float(r["tcp_rto_per_it"]) < 1e3, r  # read from the DC namespaces' TCP counters
+    assert "TCP RTO/it" in stdout and "TCP reno" in stdout
 
     def wan(system: str, point: int | None = None) -> float:
         return sum(float(r["wan_tx_mb"]) + float(r["wan_rx_mb"]) for r in rows
@@ -145,6 +147,7 @@ def test_default_sweep_spans_32x_as_micro_batch_times_seq():
     ({"systems": "ep,bogus"}, "--systems"), ({"systems": "hybridep"}, "--systems"), ({"dcs": 1}, "--dcs"),
     ({"min_tokens": 100, "seq": 64}, "--min-tokens"), ({"points": 1}, "--points"), ({"rate": "fast"}, "--rate"),
     ({"ranks_per_dc": 1}, "--systems replicated"), ({"dcs": 3}, "--model"), ({"burst_ms": -1}, "--burst-ms"),
+    ({"queue_ms": -5}, "--queue-ms"),
     ({"compression_ratio": 1}, "--compression-ratio"), ({"micro_batches": 0}, "--micro-batches"),
     ({"grad_compression_ratio": 0.5}, "--grad-compression-ratio"),
     ({"dcs": 4, "systems": "ep,pp"}, "--systems pp"),  # 2 layers cannot make 4 stages
@@ -314,7 +317,8 @@ def test_reanalyse_reproduces_the_runs_own_analysis(smoke_m1, tmp_path):
     reanalyse(copy)
     with open(copy / "bench.csv", newline="") as f:
         again = list(csv.DictReader(f))
-    key = ("point", "system", "plan", "median_s", "unshaped_s", "predicted_s", "wan_tx_mb", "a2a_efficiency")
+    key = ("point", "system", "plan", "median_s", "unshaped_s", "predicted_s", "wan_tx_mb", "a2a_efficiency",
+           "tcp_rto_per_it")
     assert [tuple(r[k] for k in key) for r in again] == [tuple(r[k] for k in key) for r in rows]
 
 

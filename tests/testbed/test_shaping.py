@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import statistics
 import sys
 
 import pytest
@@ -203,3 +205,121 @@ def test_parse_time(text, ms):
 def test_parse_rate_rejects_nonsense(bad):
     with pytest.raises(TestbedError, match="rate"):
         shaping.parse_rate_mbit(bad)
+
+
+def _rtts_under_bulk_ms(tb, seconds=2.5):
+    """Round trips (ms) of a 64-byte request and reply dc0 -> dc1 -> dc0 while a bulk flow dc0 -> dc1 runs, from
+    its second second on. The bulk flow runs Reno, loss-based like Linux's default Cubic: it fills any queue
+    until it drops (BBR, this machine's default, keeps one flow's queue short; several flows do fill it)."""
+    import threading
+    import time
+
+    from megatron_hybridep.testbed import netns
+
+    def sockets():
+        srv, cli = netns.socket_in_netns(tb.netns(1)), netns.socket_in_netns(tb.netns(0))
+        cli.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"reno")  # built into every kernel
+        srv.bind((tb.address(1), 0))
+        srv.listen(1)
+        cli.connect((tb.address(1), srv.getsockname()[1]))
+        conn, _ = srv.accept()
+        for s in (cli, conn):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.settimeout(20)
+        return srv, cli, conn
+
+    (bsrv, bcli, bconn), (srv, cli, conn) = sockets(), sockets()
+    t_end = time.monotonic() + seconds
+
+    def send():
+        while time.monotonic() < t_end:
+            bcli.sendall(bytes(1 << 16))
+        bcli.shutdown(socket.SHUT_WR)
+
+    def drain():
+        while bconn.recv(1 << 20):
+            pass
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (send, drain)]
+    rtts = []
+    try:
+        for t in threads:
+            t.start()
+        while time.monotonic() < t_end:
+            t0 = time.perf_counter()
+            cli.sendall(bytes(64))
+            got = 0
+            while got < 64:
+                got += len(conn.recv(64 - got))
+            conn.sendall(bytes(64))
+            got = 0
+            while got < 64:
+                got += len(cli.recv(64 - got))
+            if time.monotonic() > t_end - seconds + 1.0:
+                rtts.append((time.perf_counter() - t0) * 1e3)
+        for t in threads:
+            t.join(timeout=30)
+        return rtts
+    finally:
+        for s in (bsrv, bcli, bconn, srv, cli, conn):
+            s.close()
+
+
+def test_uplink_queue_holds_queue_ms_at_the_rate_and_bounds_the_delay_under_load(prefix):
+    assert shaping.queue_bytes(10, 50) == 62_500 and shaping.queue_bytes(50, 50) == 312_500
+    assert shaping.queue_bytes(0.5, 50) == shaping.MIN_QUEUE_FRAMES * shaping.MAX_FRAME
+    assert shaping.queue_bytes(10, 50, gso=True) == 2 * shaping.GSO_MAX_BYTES  # two 64 KB GSO packets fit
+    assert shaping.parse_queue_ms("50ms") == 50 and shaping.parse_queue_ms(0) is None
+    assert shaping.parse_queue_ms("kernel") is None
+    with pytest.raises(TestbedError, match=r"queue_ms \(--queue-ms\)"):
+        Testbed(dcs=2, queue_ms="deep", prefix=prefix)
+    # the bench's bucket: 1 ms, wire-size packets
+    with Testbed(dcs=2, rate_mbit=[20, 10], burst_ms=1.0, queue_ms=50, prefix=prefix) as tb:
+        assert "queue 50 ms" in tb.describe()
+        for ns, dev in ((tb.netns(1), "wan0"), (tb.switch_netns, "dc1")):
+            assert "bfifo 10:" in shaping.show(ns, dev) and "limit 62500b" in shaping.show(ns, dev)
+        rtts = _rtts_under_bulk_ms(tb)
+        tb.set_rate(0, 50)  # a live change keeps the queue's time
+        assert "limit 312500b" in shaping.show(tb.netns(0), "wan0")
+        tb.set_rate(0, None)
+        tb.set_rate(0, 20)
+        assert "limit 125000b" in shaping.show(tb.netns(0), "wan0")
+    # behind a bulk flow a small message waits at most the queue (50 ms) plus a frame or two
+    assert rtts and statistics.median(rtts) < 100, rtts
+    with Testbed(dcs=2, rate_mbit=[20, 10], burst_ms=1.0, prefix=prefix) as tb:  # default: the kernel's queue
+        assert "bfifo" not in shaping.show(tb.switch_netns, "dc1") and "the kernel's 1000 packets" in tb.describe()
+        deep = _rtts_under_bulk_ms(tb)
+    # what a time-sized queue prevents: hundreds of ms of queueing, past TCP's 200 ms minimum RTO
+    assert deep and statistics.median(deep) > 200, deep
+
+
+def test_queue_sizes_the_leaf_and_netem_limit(monkeypatch):
+    calls = []
+    monkeypatch.setattr(shaping, "sh", lambda argv, **kw: calls.append([str(a) for a in argv]))
+    shaping.apply("hep-x-dc0", "wan0", shaping.LinkShape(10, burst_ms=1.0, queue_ms=50))
+    assert " ".join(calls[-2][3:]) == "qdisc add dev wan0 parent 1:1 handle 10: bfifo limit 62500"
+    calls.clear()
+    shaping.apply("hep-x-dc0", "wan0", shaping.LinkShape(10, delay_ms=20, burst_ms=1.0, queue_ms=50))
+    # netem holds the frames in flight over the delay (16 at 10 Mbit/s x 20 ms) plus the queue's 42
+    assert " ".join(calls[-2][3:]) == "qdisc add dev wan0 parent 1:1 handle 10: netem delay 20ms limit 58"
+
+
+def test_congestion_control_is_set_in_the_dc_namespaces_and_refused_clearly(prefix):
+    from pathlib import Path
+
+    from megatron_hybridep.testbed import netns
+
+    sysctl = Path("/proc/sys/net/ipv4/tcp_congestion_control")
+    host = sysctl.read_text().strip()
+    with Testbed(dcs=2, rate_mbit=100, prefix=prefix) as tb:  # the default: reno, whatever the host runs
+        assert "TCP reno" in tb.describe()
+        assert [netns.in_netns(tb.netns(dc), sysctl.read_text).strip() for dc in (0, 1)] == ["reno", "reno"]
+    with Testbed(dcs=2, rate_mbit=100, congestion="host", prefix=prefix) as tb:
+        assert netns.in_netns(tb.netns(0), sysctl.read_text).strip() == host and "TCP of the host" in tb.describe()
+    with pytest.raises(TestbedError, match=r"congestion \(--congestion\).*Fix: --congestion reno"):
+        Testbed(dcs=2, congestion="no_such_cc", prefix=prefix).__enter__()
+    from testbed_helpers import leftovers
+
+    assert leftovers(prefix) == []  # the namespaces made before the refusal are gone
+    with pytest.raises(TestbedError, match=r"congestion \(--congestion\) must be"):
+        Testbed(dcs=2, congestion="reno; rm", prefix=prefix)
