@@ -10,6 +10,8 @@ Ranks of one DC share its namespace and address; their traffic goes over lo, uns
 `fabric_mbit` is set: then lo is shaped at that rate, one queue shared by all the DC's ranks in both
 directions (a DC fabric scaled down like the WAN, so intra-DC token traffic costs time too).
 Delay/jitter is added on the DC-side egress only: one-way latency dc a -> dc b = delay_a.
+The DC namespaces run TCP Reno whatever the host's default (`congestion`; docs/testbed.md "Queue and
+TCP": the host's BBR stalled Megatron's gradient all-reduces with retransmission timeouts).
 
 Usage:
     with Testbed(TestbedConfig(dcs=2, ranks_per_dc=2, rate_mbit=100)) as tb:
@@ -24,6 +26,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -250,8 +253,9 @@ class Testbed:
             netns.in_netns(ns, lambda: CONGESTION_SYSCTL.write_text(cc))
         except OSError as exc:
             allowed = CONGESTION_ALLOWED.read_text().strip() if CONGESTION_ALLOWED.exists() else "?"
-            raise TestbedError(f"congestion (--congestion): cannot run TCP {cc} in the DC namespaces ({exc.strerror}); "
-                               f"a namespace may use only tcp_allowed_congestion_control's: {allowed}. Fix: "
+            why = ("this kernel has no such algorithm" if exc.errno == errno.ENOENT else
+                   f"a namespace may use only tcp_allowed_congestion_control's: {allowed}")
+            raise TestbedError(f"congestion (--congestion): cannot run TCP {cc} in the DC namespaces: {why}. Fix: "
                                f"--congestion {CONGESTION_DEFAULT}, or --congestion host") from None
 
     def _apply(self, dc: int, ns: str, dev: str, shape: shaping.LinkShape) -> None:

@@ -316,7 +316,7 @@ def test_congestion_control_is_set_in_the_dc_namespaces_and_refused_clearly(pref
         assert [netns.in_netns(tb.netns(dc), sysctl.read_text).strip() for dc in (0, 1)] == ["reno", "reno"]
     with Testbed(dcs=2, rate_mbit=100, congestion="host", prefix=prefix) as tb:
         assert netns.in_netns(tb.netns(0), sysctl.read_text).strip() == host and "TCP of the host" in tb.describe()
-    with pytest.raises(TestbedError, match=r"congestion \(--congestion\).*Fix: --congestion reno"):
+    with pytest.raises(TestbedError, match=r"congestion \(--congestion\).*no such algorithm.*Fix: --congestion reno"):
         Testbed(dcs=2, congestion="no_such_cc", prefix=prefix).__enter__()
     from testbed_helpers import leftovers
 
