@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     print("# " + " ".join([sys.executable, *sys.argv]), flush=True)
     runs: dict[str, list[dict]] = {s: [] for s in table}
     with Testbed(TestbedConfig(dcs=args.dcs, ranks_per_dc=args.ranks_per_dc, rate_mbit=args.rate,
-                               queue_ms=args.queue_ms or None, congestion=args.congestion)) as tb:
+                               queue_ms=args.queue_ms, congestion=args.congestion)) as tb:
         print("# " + tb.describe(), flush=True)
         for r in range(args.repeats):
             for s in (list(table) if r % 2 == 0 else list(table)[::-1]):

@@ -86,7 +86,7 @@ def run_bench(cfg: BenchConfig, log: IO[str] = sys.stdout) -> dict[str, Any]:
            "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="hybridep-bench-") as tmp, \
             Testbed(TestbedConfig(dcs=cfg.dcs, ranks_per_dc=cfg.ranks_per_dc, rate_mbit=cfg.rate_mbit,
-                                  burst_ms=cfg.burst_ms or None, queue_ms=cfg.queue_ms or None,
+                                  burst_ms=cfg.burst_ms or None, queue_ms=cfg.queue_ms,
                                   congestion=cfg.congestion)) as tb:
         session = Session(cfg, tb, log)
         session.say(f"{tb.describe()}; model {cfg.model.name}; points (tokens/rank) "

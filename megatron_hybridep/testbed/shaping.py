@@ -20,6 +20,7 @@ TCP") has what each does to gloo's collectives.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -129,6 +130,10 @@ def queue_bytes(mbit: float, queue_ms: float, gso: bool = False) -> int:
     return max(floor, round(mbit * 1e6 / 8 * queue_ms / 1e3))
 
 
+def _bfifo(shape: LinkShape, rate_mbit: float) -> list[str]:
+    return ["bfifo", "limit", str(queue_bytes(rate_mbit, shape.queue_ms, gso=shape.burst_ms is None))]
+
+
 def _htb_params(mbit: float, burst_ms: float | None = None) -> list[str]:
     bytes_per_s = mbit * 1e6 / 8
     if burst_ms is None:
@@ -206,8 +211,7 @@ def apply(ns: str, dev: str, shape: LinkShape) -> None:
                 raise _netem_missing(exc) from exc
             raise
     elif shape.rate_mbit is not None and shape.queue_ms is not None:
-        sh([*tc, "qdisc", "add", "dev", dev, *parent, "bfifo", "limit",
-            str(queue_bytes(shape.rate_mbit, shape.queue_ms, gso=shape.burst_ms is None))])
+        sh([*tc, "qdisc", "add", "dev", dev, *parent, *_bfifo(shape, shape.rate_mbit)])
     if shape.burst_ms is not None:  # wire-size packets under a small bucket (module doc)
         segs = 1 if shape.rate_mbit is not None else GSO_MAX_SEGS_DEFAULT
         sh(["ip", "-n", ns, "link", "set", "dev", dev, "gso_max_segs", str(segs)])
@@ -215,13 +219,12 @@ def apply(ns: str, dev: str, shape: LinkShape) -> None:
 
 def change_rate(ns: str, dev: str, old: LinkShape, new_rate_mbit: float | None) -> LinkShape:
     """Change the rate of a shaped end; live (`tc class change`) when HTB is already there."""
-    new = LinkShape(new_rate_mbit, old.delay_ms, old.jitter_ms, old.burst_ms, old.queue_ms)
+    new = dataclasses.replace(old, rate_mbit=new_rate_mbit)
     if old.rate_mbit is not None and new_rate_mbit is not None:
         sh(["tc", "-n", ns, "class", "change", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
             *_htb_params(new_rate_mbit, new.burst_ms)])
         if new.queue_ms is not None:  # the queue keeps its time at the new rate (queued packets stay)
-            leaf = (["netem", *_netem_params(new, new_rate_mbit)] if new.needs_netem
-                    else ["bfifo", "limit", str(queue_bytes(new_rate_mbit, new.queue_ms, gso=new.burst_ms is None))])
+            leaf = ["netem", *_netem_params(new, new_rate_mbit)] if new.needs_netem else _bfifo(new, new_rate_mbit)
             sh(["tc", "-n", ns, "qdisc", "change", "dev", dev, "parent", "1:1", "handle", "10:", *leaf])
     else:
         apply(ns, dev, new)  # adding or removing the rate limit changes the qdisc tree
