@@ -4,7 +4,9 @@
 One pipeline stage per DC, --ranks-per-dc ranks per stage; every rank runs stage s's op sequence
 of the replay (plan/pipeline.py stage_program) with sleeps (or, --busy, matmuls that use a core) as
 forward / backward compute and real gloo batch_isend_irecv of --bytes per rank and message, as
-Megatron's P2PCommunicator does on CPU.
+Megatron's P2PCommunicator does on CPU: receives posted first, as the CPU runtime makes Megatron
+post them (--sends-first: Megatron's own order, in which gloo runs the two directions of a boundary
+one after the other).
 No Megatron, no model: what is left is the network, gloo and the schedule.
 
     sudo python benchmarks/pipeline_p2p_probe.py --dcs 4 --micro-batches 32     # needs root (testbed)
@@ -31,6 +33,7 @@ from collections import defaultdict
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from megatron_hybridep.megatron.cpu_runtime import recvs_first  # noqa: E402
 from megatron_hybridep.plan.pipeline import one_f_one_b, stage_program  # noqa: E402
 
 Message = tuple[str, int, int]  # (kind "a"/"g", boundary, micro-batch)
@@ -64,7 +67,8 @@ def _busy(per_s: float):
     return run
 
 
-def rank_main(nbytes: int, pp: int, m: int, f: float, b: float, busy_per_s: float = 0.0) -> None:
+def rank_main(nbytes: int, pp: int, m: int, f: float, b: float, busy_per_s: float = 0.0,
+              sends_first: bool = False) -> None:
     """One rank: stage s's ops, timed; prints one RESULT line of JSON."""
     import torch
     import torch.distributed as dist
@@ -92,6 +96,8 @@ def rank_main(nbytes: int, pp: int, m: int, f: float, b: float, busy_per_s: floa
                 ops.append(dist.P2POp(dist.isend, torch.ones(n), peer(s + 1 if kind == "a" else s - 1)))
             else:
                 ops.append(dist.P2POp(dist.irecv, torch.empty(n), peer(s - 1 if kind == "a" else s + 1)))
+        if not sends_first:  # what Megatron's batches do under the CPU runtime (cpu_runtime.recvs_first)
+            ops = recvs_first(ops)
         w0 = time.perf_counter()
         for req in dist.batch_isend_irecv(ops):
             req.wait()
@@ -142,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bwd-s", type=float, default=0.1)
     p.add_argument("--busy", action="store_true", help="compute with a core (matmuls timed alone) instead of "
                    "sleeping: ranks then contend for the cores as in a real run")
+    p.add_argument("--sends-first", action="store_true", help="post each batch in Megatron's own order "
+                   "(sends before receives), as upstream Megatron does on gloo; default: receives first, as under the "
+                   "CPU runtime")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
@@ -149,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     pp, m = args.dcs, args.micro_batches
     if args.rank_worker:
-        rank_main(args.bytes, pp, m, args.fwd_s, args.bwd_s, args.busy_per_s)
+        rank_main(args.bytes, pp, m, args.fwd_s, args.bwd_s, args.busy_per_s, args.sends_first)
         return 0
     if pp < 2:
         p.error("--dcs: a pipeline needs at least 2 stages (one per DC); fix: --dcs 2 or more")
@@ -164,11 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     print("$ " + shlex.join(["python", "benchmarks/pipeline_p2p_probe.py", *(sys.argv[1:] if argv is None else argv)]))
     print(f"# {pp} stages (one per DC) x {args.ranks_per_dc} ranks, {args.rate}, {m} micro-batches, "
           f"{args.bytes:,} B per rank and message, compute {args.fwd_s}/{args.bwd_s} s "
-          f"({'busy: matmuls' if args.busy else 'sleeping'}); nominal transfer "
+          f"({'busy: matmuls' if args.busy else 'sleeping'}), {'sends' if args.sends_first else 'receives'} first; "
+          f"nominal transfer "
           f"{nominal * 1e3:.0f} ms (a boundary's bytes at {TCP_GOODPUT_FRACTION:.1%} of the rate)", flush=True)
     busy = matmuls_per_s() if args.busy else 0.0
     worker = python_cmd(__file__, "--rank-worker", "--dcs", pp, "--micro-batches", m, "--bytes", args.bytes,
-                        "--fwd-s", args.fwd_s, "--bwd-s", args.bwd_s, "--busy-per-s", busy)
+                        "--fwd-s", args.fwd_s, "--bwd-s", args.bwd_s, "--busy-per-s", busy,
+                        *(["--sends-first"] if args.sends_first else []))
     with Testbed(TestbedConfig(dcs=pp, ranks_per_dc=args.ranks_per_dc, rate_mbit=rate, burst_ms=1)) as tb:
         for run in range(args.repeats):
             res = launch(tb, worker, timeout_s=args.timeout).raise_for_status()

@@ -7,6 +7,7 @@ available. No Megatron function body is copied or rewritten; a few functions are
 (see ``_FUNCTION_PATCHES``) because their logic, not just their device, is CUDA-specific: the CPU
 tensor type names the optimizers test for, the GPU-architecture query of argument validation, the
 CUDA RNG state accessors, split sizes for all_to_all, and gradient clipping's CUDA type assertion.
+One change is gloo's, not CUDA's: pipeline sends post their receives first (``recvs_first``).
 
 Checked against megatron-core 0.19.2 (the version in requirements.lock); the supported range is
 megatron_hybridep.megatron.compat.SUPPORTED. Each entry names the upstream functions it affects.
@@ -164,12 +165,41 @@ class _TorchOnCpu(types.ModuleType):
     def __init__(self) -> None:
         super().__init__("torch")
         self.cuda = _CudaOnCpu()
+        self.distributed = _DistributedOnGloo()
         self.device = _cpu_torch_device
         for name in self._FACTORIES:
             setattr(self, name, _cpu_factory(getattr(torch, name)))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
+
+
+def recvs_first(ops: list) -> list:
+    """A batch of P2POps with its receives posted before its sends (each kind in its own order).
+
+    gloo's TCP pair starts a message only when the receiver's "ready" notice arrives, and that notice
+    travels in the same TCP stream as the data: posted after a send to the same peer, it waits behind
+    that send's bytes, so Megatron's [send, recv] batches run the two directions of a pipeline
+    boundary one after the other (docs/results.md, "Found: gloo serialises a pipeline boundary").
+    Receives first lets both directions flow at once, as NCCL's do. Matching is per kind and peer, so
+    the order between kinds changes nothing else."""
+    recv = torch.distributed.irecv
+    return [op for op in ops if op.op is recv] + [op for op in ops if op.op is not recv]
+
+
+class _DistributedOnGloo(types.ModuleType):
+    """``torch.distributed`` as the patched Megatron modules see it: batch_isend_irecv posts receives
+    first (recvs_first); everything else is the real module."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.distributed")
+
+    @staticmethod
+    def batch_isend_irecv(p2p_op_list: list) -> list:
+        return torch.distributed.batch_isend_irecv(recvs_first(list(p2p_op_list)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.distributed, name)
 
 
 class _DeviceMeta(type):
@@ -234,7 +264,8 @@ _MODULE_SHIMS: dict[str, str] = {
         "AsyncCallsQueue liveness/finalize flags on torch.cuda.current_device(), synchronize",
     "megatron.core.transformer.utils": "get_default_causal_mask (mask built on device=\"cuda\")",
     "megatron.core.pipeline_parallel.p2p_communication":
-        "P2PCommunicator._communicate (receive buffers on torch.cuda.current_device(), torch.cuda.synchronize)",
+        "P2PCommunicator._communicate (receive buffers on torch.cuda.current_device(), torch.cuda.synchronize); "
+        "_batched_p2p_ops (batch_isend_irecv posts receives first: recvs_first)",
     "megatron.core.pipeline_parallel.schedules":
         "forward_backward_* total_num_tokens on device='cuda', autocast('cuda')",
 }

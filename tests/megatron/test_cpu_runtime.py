@@ -141,3 +141,47 @@ def test_argument_validation_does_not_initialise_cuda(clean_runtime):
     arguments = importlib.import_module("megatron.training.arguments")
     cpu_runtime.enable()
     assert arguments.get_device_arch_version() == 10  # no CUDA_DEVICE_MAX_CONNECTIONS rule on CPU
+
+
+def test_pipeline_batches_post_their_receives_first(monkeypatch, clean_runtime):
+    """gloo starts a message only when the receiver's notice arrives, in the same TCP stream as the
+    data: a receive posted after a send to the same peer waits behind that send's bytes."""
+    from types import SimpleNamespace
+
+    p2p = importlib.import_module("megatron.core.pipeline_parallel.p2p_communication")
+    seen = []
+    monkeypatch.setattr(torch.distributed, "batch_isend_irecv", lambda ops: seen.append(ops) or [])
+    dist = torch.distributed
+    # Megatron's _batched_p2p_ops order: send prev, recv prev, send next, recv next
+    ops = [SimpleNamespace(op=fn, peer=peer) for fn, peer in
+           ((dist.isend, 0), (dist.irecv, 0), (dist.isend, 2), (dist.irecv, 2))]
+    p2p.torch.distributed.batch_isend_irecv(ops)
+    assert seen[-1] == ops  # upstream's order without the runtime
+    cpu_runtime.enable()
+    p2p.torch.distributed.batch_isend_irecv(ops)
+    assert seen[-1] == [ops[1], ops[3], ops[0], ops[2]]  # receives first, each kind in its order
+    assert p2p.torch.distributed.get_rank is dist.get_rank  # the rest is the real module
+    cpu_runtime.disable()
+    assert p2p.torch.distributed.batch_isend_irecv is dist.batch_isend_irecv
+
+
+def _both_directions(ctx):
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
+
+    cpu_runtime.enable()
+    peer = 1 - ctx.rank
+    out = torch.empty(3)
+    side = dict(tensor_send_next=torch.full((3,), 10.0 + ctx.rank), tensor_recv_next=out, tensor_send_prev=None,
+                tensor_recv_prev=None) if ctx.rank == 0 else \
+        dict(tensor_send_prev=torch.full((3,), 10.0 + ctx.rank), tensor_recv_prev=out, tensor_send_next=None,
+             tensor_recv_next=None)
+    for req in p2p._batched_p2p_ops(**side, group=None, prev_pipeline_rank=peer, next_pipeline_rank=peer):
+        req.wait()
+    return out
+
+
+def test_receives_first_exchange_both_directions_on_gloo():
+    from megatron_hybridep.train.launch import run_ranks
+
+    out = run_ranks(_both_directions, 2, timeout=120)
+    assert torch.equal(out[0], torch.full((3,), 11.0)) and torch.equal(out[1], torch.full((3,), 10.0))
