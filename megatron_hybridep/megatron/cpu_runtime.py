@@ -180,9 +180,9 @@ def recvs_first(ops: list) -> list:
     gloo's TCP pair starts a message only when the receiver's "ready" notice arrives, and that notice
     travels in the same TCP stream as the data: posted after a send to the same peer, it waits behind
     that send's bytes, so Megatron's [send, recv] batches run the two directions of a pipeline
-    boundary one after the other (docs/results.md, "Found: gloo serialises a pipeline boundary").
-    Receives first lets both directions flow at once, as NCCL's do. Matching is per kind and peer, so
-    the order between kinds changes nothing else."""
+    boundary one after the other (docs/results.md, "Found: gloo runs a pipeline boundary one direction
+    at a time"). Receives first lets both directions flow at once, as Megatron's schedules assume.
+    Matching is per kind and peer, so the order between kinds changes nothing else."""
     recv = torch.distributed.irecv
     return [op for op in ops if op.op is recv] + [op for op in ops if op.op is not recv]
 
