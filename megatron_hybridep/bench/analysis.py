@@ -8,15 +8,14 @@ import json
 import math
 import os
 import platform
-import statistics
 from typing import Any
 
 from megatron_hybridep.bench import predict as bp
 from megatron_hybridep.bench import report as br
 from megatron_hybridep.bench.config import SYSTEMS, BenchConfig
 from megatron_hybridep.bench.predict import MEASURED
+from megatron_hybridep.bench.probes import format_probe, probe_summary, steady_efficiency
 from megatron_hybridep.bench.session import Session
-from megatron_hybridep.plan.layout import layout_workload
 from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.testbed.selfcheck import TCP_GOODPUT_FRACTION
 
@@ -26,26 +25,21 @@ def analyse(cfg: BenchConfig, session: Session, events: list[dict[str, Any]], el
     calib = {(e["system"], e["plan"], e["point"]): e for e in events
              if e["event"] == "point" and e["phase"] == "calibrate"}
     dense = next(e["dense_params"] for e in events if e["event"] == "model")
-    shaped, unshaped = session.topology(shaped=True), session.topology(shaped=False)
+    shaped = session.topology(shaped=True)
     ep_median = {e["point"]: e["median_s"] for e in measured if e["system"] == "ep"}
     probes = probe_summary(cfg, events)
     steady = steady_efficiency(probes)
     rows: list[br.Row] = []
     rep_median = {e["point"]: e["median_s"] for e in measured if e["system"] == "replicated"}
     for e in sorted(measured, key=lambda e: (e["point"], SYSTEMS.index(e["system"]))):
-        point = cfg.points[e["point"]]
-        workload = session.workload(point, events, e["system"])
-        if (e["point"], e["system"]) in session.layouts:  # pp, auto: one stage's plan in the layout's workload
-            lay = session.layouts[(e["point"], e["system"])]
-            workload = layout_workload(workload, lay.tp, lay.pp)
-            plan = session.chosen[(e["point"], e["system"])]
-        elif e["system"].startswith("hybridep"):
+        lay = session.layouts.get((e["point"], e["system"]))  # pp, auto: one stage's plan in the layout
+        if lay is not None or e["system"].startswith("hybridep"):
             plan = session.chosen[(e["point"], e["system"])]
         else:
             plan = bp.system_plan(e["system"], shaped, cfg.model.num_experts)
         base = calib[(e["system"], e["plan"], e["point"])]
         eff = probes.get(e["point"], {}).get("efficiency", 1.0)
-        pred = bp.predict(shaped, unshaped, workload, plan, dense, base["median_s"], eff, steady)
+        pred = session.prediction(e["point"], e["system"], plan, base["median_s"], dense, eff, steady, lay)
         rows.append(make_row(cfg, e, base, pred, ep_median[e["point"]], eff, rep_median.get(e["point"])))
     rows = with_auto_rows(rows, session)
     checks = br.check_targets(rows)
@@ -118,47 +112,19 @@ def params_line(events: list[dict[str, Any]]) -> str:
             f"{experts / (experts + m['dense_params']):.1%}")
 
 
-STEADY_S = bp.STEADY_S  # probes at least this long at the rate see steady-state TCP: their efficiencies are pooled
-
-
-def steady_efficiency(probes: dict[int, dict[str, float]]) -> float:
-    """The pooled share of the rate long all-to-alls get (1 when no probe was long enough)."""
-    steady = [v["efficiency"] for v in probes.values() if v["ideal_s"] >= STEADY_S]
-    return steady[0] if steady else 1.0
-
-
-def probe_summary(cfg: BenchConfig, events: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
-    """Per point, the bare all-to-all probe against the configured rate (its wire bytes / rate).
-    ``efficiency`` (what the prediction uses): the median over the probes of at least STEADY_S at
-    the rate (one number for steady-state TCP, less noisy than each probe); shorter probes keep their
-    own (their time is mostly start-up, which depends on the size). ``measured``: each probe's own."""
-    out = {}
-    for e in events:
-        if e["event"] != "probe" or not e["link"]:
-            continue
-        wire = sum(c["tx_bytes"] for c in e["link"]) / len(e["link"]) / e["repeats"]
-        ideal = wire / (cfg.rate_mbit * 1e6 / 8)
-        out[e["point"]] = {"bytes_per_rank": e["bytes_per_rank"], "median_s": e["median_s"], "wan_mb": wire / 1e6,
-                           "ideal_s": ideal, "measured": ideal / e["median_s"], "efficiency": ideal / e["median_s"]}
-    steady = [v["measured"] for v in out.values() if v["ideal_s"] >= STEADY_S]
-    if steady:
-        pooled = statistics.median(steady)
-        for v in out.values():
-            if v["ideal_s"] >= STEADY_S:
-                v["efficiency"] = pooled
-    return out
-
-
-def format_probe(cfg: BenchConfig, probes: dict[int, dict[str, float]]) -> str:
-    if not probes:
-        return "all-to-all probe: none"
-    parts = [f"{cfg.points[p]['tokens']}: {v['median_s'] * 1e3:.0f}/{v['ideal_s'] * 1e3:.0f} ms = {v['measured']:.0%}"
-             for p, v in sorted(probes.items())]
-    pooled = sorted({round(v["efficiency"], 4) for v in probes.values() if v["ideal_s"] >= STEADY_S})
-    return ("bare gloo all-to-all of each point's EP size on the shaped WAN (median of the repeats / its wire bytes "
-            "at the rate = share of the rate it gets): " + ", ".join(parts)
-            + (f"; used for the prediction: {pooled[0]:.0%} (median of the probes >= {STEADY_S * 1e3:.0f} ms) at those "
-               "points, each shorter probe's own elsewhere" if pooled else ""))
+def format_finalists(cfg: BenchConfig, finals: dict[str, dict[str, Any]]) -> list[str]:
+    """auto's finalists per point: their planner and unshaped-based predictions, and the one run."""
+    out = []
+    for key, rec in sorted(finals.items(), key=lambda kv: (int(kv[0].split()[0]), kv[0])):
+        point, system = int(key.split()[0]), key.split()[1]
+        cands = ", ".join(f"{f['name']} {f['planner_s'] * 1e3:,.0f} / {f['predicted_s'] * 1e3:,.0f} ms"
+                          f" ({'= ' + f['same_as'] if f['same_as'] else 'trial'})" for f in rec.get("finalists", []))
+        dropped = f"; not tried: {', '.join(rec['dropped'])}" if rec.get("dropped") else ""
+        out.append(f"  {cfg.points[point]['tokens']} {system}: {cands} -> {rec.get('chosen')}{dropped}")
+    if not out:
+        return []
+    return ["auto's finalists (planner / predicted from the measured unshaped step; = the measured system that "
+            "stands for it, or an unshaped trial; bench/finalists.py):", *out]
 
 
 def machine() -> str:
@@ -190,6 +156,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         "hybridep_plans": session.info["chosen"], "planner_best_overall": session.info["planner_best"],
         "layouts": session.info.get("layouts", {}),  # pp's and auto's layout and stage plan per "point system"
         "same_as": session.info.get("same_as", {}),  # "point system" -> the system whose layout auto(-c) chose
+        "finalists": session.info.get("finalists", {}),  # "point system" -> auto's finalists (bench/finalists.py)
         "overlap_grad_reduce": cfg.overlap_grad_reduce,
         "queue_ms": cfg.queue_ms, "congestion": cfg.congestion,
         "grad_compression_ratio": cfg.grad_compression_ratio,
@@ -222,6 +189,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         "planner's overall best per point and workload (its own cost model, replicated included): "
         + ", ".join(f"{cfg.points[int(k.split()[0])]['tokens']} {k.split()[1]}: {b}"
                     for k, b in sorted(session.info["planner_best"].items(), key=lambda kv: kv[0])),
+        *format_finalists(cfg, session.info.get("finalists", {})),
         format_probe(cfg, probe),
         f"link counters: the timed windows hold {window:.1f} MB of the {total:.1f} MB per DC uplink (tx) sent while "
         "the WAN was shaped (the rest: warm-up)",

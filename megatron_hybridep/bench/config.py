@@ -34,7 +34,7 @@ DEFAULTS: dict[str, Any] = {"dcs": 2, "ranks_per_dc": 2, "rate": "50mbit", "poin
                             "burst_ms": 1.0, "queue_ms": 0.0, "congestion": CONGESTION_DEFAULT,
                             "compression_ratio": QUALITY_WEIGHT_RATIO,
                             "grad_compression_ratio": QUALITY_GRAD_RATIO, "grad_values": "bf16", "micro_batches": 1,
-                            "borrowed_copies": "auto", "overlap_grad_reduce": True}
+                            "borrowed_copies": "auto", "overlap_grad_reduce": True, "auto_trials": 2}
 COPIES = ("auto", "iteration", "microbatch")  # --hybridep-borrowed-copies; auto = iteration (bench models fit)
 # --smoke: the same path end to end, small enough for CI (< 60 s on 2 cores)
 SMOKE: dict[str, Any] = {"points": 2, "min_tokens": 32, "seq": 32, "warmup": 1, "iters": 2, "timeout": 150.0}
@@ -97,6 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=None,
                         help="Megatron's --overlap-grad-reduce in every system, as a Megatron user runs it "
                              "(default on; --no-overlap-grad-reduce: the blocking reduction)")
+    parser.add_argument("--auto-trials", type=int, default=None,
+                        help="auto and auto-c: unshaped trial runs per point of the planner's finalists that no "
+                             "measured system stands for (bench/finalists.py; default "
+                             f"{d['auto_trials']}; 0: only the measured ones compete)")
     parser.add_argument("--smoke", action="store_true",
                         help=f"quick end-to-end check: {SMOKE['points']} points from {SMOKE['min_tokens']} tokens, "
                              f"seq {SMOKE['seq']}, {SMOKE['warmup']} warm-up + {SMOKE['iters']} iterations")
@@ -134,6 +138,7 @@ class BenchConfig:
     queue_ms: float = DEFAULTS["queue_ms"]  # 0: the kernel's 1000-packet queue
     congestion: str = DEFAULTS["congestion"]  # "host": the host's default (runs before 2026-11-27)
     grad_values: str = DEFAULTS["grad_values"]  # the returned gradients' kept values: bf16 or "same" (fp32 here)
+    auto_trials: int = DEFAULTS["auto_trials"]  # unshaped trials of auto's finalists per point (bench/finalists.py)
 
     def system_micro_batches(self, system: str, pp: int = 1) -> int:
         """Micro-batches per iteration of a system whose layout has ``pp`` stages: the same global batch."""
@@ -167,6 +172,8 @@ class BenchConfig:
             argv += ["--borrowed-copies", self.borrowed_copies]
         if not self.overlap_grad_reduce:
             argv += ["--no-overlap-grad-reduce"]
+        if any(s in self.systems for s in AUTO):
+            argv += ["--auto-trials", str(self.auto_trials)]
         argv += ["--out", str(self.out)]
         return shlex.join(argv)
 
@@ -248,9 +255,12 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     micro = int(get("micro_batches"))
     if micro < 1:
         raise BenchError(f"--micro-batches: must be >= 1, got {micro}; fix: e.g. --micro-batches 4")
+    trials = int(get("auto_trials"))
+    if trials < 0:
+        raise BenchError(f"--auto-trials: must be >= 0, got {trials}; fix: e.g. --auto-trials 2")
     out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     return BenchConfig(model, model_path or "builtin", dcs, k, rate, rate_text, sweep(min_tokens, seq, points), seq,
                        min_tokens, warmup, iters, systems, out, float(get("timeout")), bool(args.smoke), burst_ms,
                        ratio, grad_ratio, bool(getattr(args, "quiet", False)), micro, str(get("borrowed_copies")),
                        bool(get("overlap_grad_reduce")), queue_ms=queue_ms,
-                       congestion=str(get("congestion")), grad_values=str(get("grad_values")))
+                       congestion=str(get("congestion")), grad_values=str(get("grad_values")), auto_trials=trials)

@@ -163,16 +163,17 @@ def stage_plan(topology: Topology, pp: int, ep: int, num_experts: int) -> Plan:
     return Plan.grid(layout.counts, (1,) * len(layout.counts), num_experts, layout.names)
 
 
-def choose_layout(topology: Topology, workload: Workload) -> LayoutResult:
-    """The bench's ``auto`` system: the layout planner's choice among the layouts that fit without
-    tensor parallelism (the bench's CPU ranks run none). ``workload``: the PP 1 systems' (plan/layout.py)."""
+def layout_results(topology: Topology, workload: Workload) -> list[LayoutResult]:
+    """The layouts the bench's auto systems choose from (bench/finalists.py): the layout planner's,
+    those that fit without tensor parallelism (the bench's CPU ranks run none), its choice first.
+    ``workload``: the PP 1 systems' (plan/layout.py)."""
     from megatron_hybridep.plan.layout import plan_layouts, prefer_megatron
 
     runnable = prefer_megatron([r for r in plan_layouts(topology, workload) if r.fits and r.layout.tp == 1])
     if not runnable:
         raise PlanError(f"auto: no layout without tensor parallelism fits {topology.describe()}; fix: drop auto from "
                         "--systems")
-    return runnable[0]
+    return runnable
 
 
 def candidate_plans(topology: Topology, num_experts: int) -> list[Plan]:
@@ -257,6 +258,6 @@ def best_domains_plan(result: PlanningResult) -> Plan:
 
 
 __all__ = ["BUILTIN", "Calibration", "MEASURED", "NetworkTime", "PHASES", "Prediction", "best_domains_plan",
-           "candidate_plans", "check_model", "choose_layout", "load_model", "network_time", "plan_for_point",
+           "candidate_plans", "check_model", "layout_results", "load_model", "network_time", "plan_for_point",
            "pp_layout", "predict", "recorded_model", "stage_plan", "system_plan", "testbed_topology",
            "token_traffic_bytes"]

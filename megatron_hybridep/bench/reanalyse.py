@@ -76,6 +76,7 @@ def reanalyse(out: Path) -> dict[str, Any]:
         session.layouts[(int(point), system)] = Layout(**ran["layout"])
         session.chosen[(int(point), system)] = Plan.from_dict(ran["plan"])
     session.info["layouts"] = dict(summary.get("layouts", {}))
+    session.info["finalists"] = dict(summary.get("finalists", {}))  # runs before 2026-11-27 had none
     session.info["same_as"] = {**{f"{p} auto": s for p, s in summary.get("auto_same_as", {}).items()},  # older runs
                                **summary.get("same_as", {})}
     return analyse(cfg, session, session.events, float(summary["elapsed_s"]))

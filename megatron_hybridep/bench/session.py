@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from megatron_hybridep.bench import finalists as bf
 from megatron_hybridep.bench import predict as bp
 from megatron_hybridep.bench.config import (
     AUTO,
@@ -25,7 +26,8 @@ from megatron_hybridep.bench.config import (
     BenchConfig,
     BenchError,
 )
-from megatron_hybridep.plan.layout import Layout, is_hybridep
+from megatron_hybridep.bench.probes import probe_summary, steady_efficiency
+from megatron_hybridep.plan.layout import Layout, is_hybridep, layout_workload
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.workload import GRAD_VALUE_BYTES
 from megatron_hybridep.testbed.network import Testbed
@@ -71,6 +73,7 @@ class Session:
     chosen: dict[tuple[int, str], Plan] = field(default_factory=dict)  # the plan per (point, system): HybridEP's,
     #   and a layout system's (plain EP over a stage's ranks for pp; the layout planner's for auto, auto-c)
     layouts: dict[tuple[int, str], Layout] = field(default_factory=dict)  # pp's and auto's layout per point
+    finals: dict[tuple[int, str], list[bf.Finalist]] = field(default_factory=dict)  # auto's (bench/finalists.py)
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -145,6 +148,9 @@ class Session:
                                  "warmup": self.cfg.warmup, "iters": self.cfg.iters}
         if system.startswith("hybridep"):  # EP ran first at this point: its calibration feeds the planner
             order["plans"] = [self.choose_plan(point, system).to_dict()]
+        if system in AUTO and (trial := self._trial(point, system)) is not None:
+            self.queue.insert(0, (point, system))  # back to it once the trial's unshaped step is in
+            return {**order, **trial}
         if system in LAYOUTS:
             order.update(self.choose_layout(point, system))
             same = self.same_system(point, system) if system in AUTO else None
@@ -153,17 +159,50 @@ class Session:
                 self.say(f"point {point}: {system} chose {order['layout']['name']}, the {same} system's layout: "
                          "its measurement stands for both")
                 return None
+        return self._compressed(system, order)
+
+    def _compressed(self, system: str, order: dict[str, Any]) -> dict[str, Any]:
         if system in PRICED_COMPRESSED and order.get("plans"):  # auto-c runs compressed only in a hybridep plan
-            order["compression_ratio"] = self.cfg.compression_ratio
-            order["grad_compression_ratio"] = self.cfg.grad_compression_ratio
-            order["grad_values"] = self.cfg.grad_values
+            order.update(compression_ratio=self.cfg.compression_ratio,
+                         grad_compression_ratio=self.cfg.grad_compression_ratio, grad_values=self.cfg.grad_values)
         return order
+
+    def _trial(self, point: int, system: str) -> dict[str, Any] | None:
+        """The next unshaped trial of an auto system's finalists at ``point`` (bench/finalists.py), or
+        None when each has its unshaped step."""
+        key = (point, system)
+        if key not in self.finals:
+            shaped = self.topology(shaped=True)
+            cands = bf.finalists(bp.layout_results(shaped, self.workload(self.cfg.points[point], self.events, system)))
+            for f in cands:
+                f.same_as = self._same(point, system, f.layout, f.plan)
+            kept, dropped = bf.trim(cands, self.cfg.auto_trials)
+            self.finals[key] = kept
+            self.info.setdefault("finalists", {})[f"{point} {system}"] = {"dropped": [f.name for f in dropped]}
+        for f in self.finals[key]:
+            if f.unshaped_s is None:
+                f.unshaped_s = self._unshaped(point, system, f)
+            if f.unshaped_s is None:
+                self.say(f"point {point}: {system}: unshaped trial of {f.name} (planner: {f.planner_s * 1e3:,.0f} ms)")
+                return self._compressed(system, {**self._layout_order(f.layout, f.plan), "trial": True})
+        return None
+
+    def _unshaped(self, point: int, system: str, f: bf.Finalist) -> float | None:
+        """A finalist's unshaped step: its twin system's calibration at ``point``, or its own trial's."""
+        for e in reversed(self.events):
+            if e["event"] == "point" and e["point"] == point and (
+                    (e["phase"] == "calibrate" and e["system"] == f.same_as)
+                    or (e["phase"] == "trial" and e["system"] == system and e["plan"] == f.name)):
+                return float(e["median_s"])
+        return None
 
     def same_system(self, point: int, system: str = "auto") -> str | None:
         """The system run earlier at ``point`` (in this run's queue order) whose configuration is the
         ``system`` layout's (auto or auto-c): the same stages, EP size, micro-batches, dispatcher,
         (HybridEP) plan and compression."""
-        lay, plan = self.layouts[(point, system)], self.chosen[(point, system)]
+        return self._same(point, system, self.layouts[(point, system)], self.chosen[(point, system)])
+
+    def _same(self, point: int, system: str, lay: Layout, plan: Plan) -> str | None:
         world, per_dc, m = self.cfg.world, self.cfg.ranks_per_dc, self.cfg.micro_batches
         if lay.tp != 1:
             return None
@@ -225,11 +264,41 @@ class Session:
             layout = bp.pp_layout(self.cfg.dcs, self.cfg.ranks_per_dc, self.cfg.micro_batches)
             plan = bp.stage_plan(shaped, layout.pp, layout.ep, self.cfg.model.num_experts)
         else:
-            choice = bp.choose_layout(shaped, self.workload(self.cfg.points[point], self.events, system))
-            layout, plan = choice.layout, dataclasses.replace(choice.best.plan, predicted={}, link_bytes={})
+            layout, plan = self._choose_finalist(point, system)
         self.layouts[(point, system)], self.chosen[(point, system)] = layout, plan
         self.info.setdefault("layouts", {})[f"{point} {system}"] = {"layout": dataclasses.asdict(layout),
                                                                      "plan": plan.to_dict()}
+        return self._layout_order(layout, plan)
+
+    def _choose_finalist(self, point: int, system: str) -> tuple[Layout, Plan]:
+        """Each finalist predicted from its unshaped step as the analysis predicts a row; the fastest."""
+        probes = probe_summary(self.cfg, self.events)
+        eff, steady = probes.get(point, {}).get("efficiency", 1.0), steady_efficiency(probes)
+        dense = next(e["dense_params"] for e in self.events if e["event"] == "model")
+        cands = self.finals[(point, system)]
+        for f in cands:
+            assert f.unshaped_s is not None  # _trial ran first
+            f.predicted_s = self.prediction(point, system, f.plan, f.unshaped_s, dense, eff, steady, f.layout).total
+        best = bf.choose(cands)
+        rec = self.info["finalists"][f"{point} {system}"]
+        rec.update(chosen=best.name, finalists=[f.to_dict() for f in cands])
+        self.say(f"point {point}: {system}: " + ", ".join(
+            f"{f.name} {f.predicted_s * 1e3:,.0f} ms" for f in cands) + f" predicted: runs {best.name}")
+        return best.layout, best.plan
+
+    def prediction(self, point: int, system: str, plan: Plan, unshaped_s: float, dense: int, eff: float,
+                   steady: float, layout: Layout | None = None) -> bp.Prediction:
+        """A system's predicted step at ``point`` from its unshaped one (bench/predict.py); ``layout``:
+        pp's and auto's (one stage's plan in the layout's workload)."""
+        work = self.workload(self.cfg.points[point], self.events, system)
+        if layout is not None:
+            work = layout_workload(work, layout.tp, layout.pp)
+        return bp.predict(self.topology(shaped=True), self.topology(shaped=False), work, plan, dense, unshaped_s, eff,
+                          steady)
+
+    @staticmethod
+    def _layout_order(layout: Layout, plan: Plan) -> dict[str, Any]:
+        """A layout's order fields: its stages, EP size, micro-batches, dispatcher and plan."""
         hybrid = is_hybridep(plan)
         name = f"PP{layout.pp} EP{layout.ep}" + (f" {plan.label}" if hybrid else "")
         return {"layout": {"pp": layout.pp, "ep": layout.ep, "name": name},

@@ -7,7 +7,8 @@ over the control channel (bench/control) and broadcasts the answer:
 - {"op": "next"} -> one system at one point (and, for hybridep, its candidate plans), the WAN
   unshaped: build it, calibrate (warm-up + K iterations of each plan);
 - {"op": "shape"} -> the WAN is now shaped; the plans to measure (the planner's choice): warm-up +
-  K timed iterations, then tear the model down and ask again, until "done".
+  K timed iterations, then tear the model down and ask again, until "done";
+- an order marked "trial" (one of auto's finalists) runs the unshaped iterations only.
 So each measurement has its unshaped baseline taken seconds before it, on the same model: the
 machine's load (shared cores) moves both alike. Rank 0 prints one JSON line per timed iteration and
 per point (prefix ``BENCH ``); the parent parses them.
@@ -262,7 +263,8 @@ class Worker:
                  compression_ratio=migration.compression_ratio if migration else 1.0,
                  shared_sync_bytes_per_layer=sync_bytes)
         indices = list(range(len(order["plans"]))) if runtime is not None else [None]
-        for phase in ("calibrate", "measure"):
+        # a trial (an auto system's finalist, bench/finalists.py): its unshaped step only
+        for phase in ("trial",) if order.get("trial") else ("calibrate", "measure"):
             if phase == "measure":
                 indices = self.ask({"op": "shape"})["measure"]
             for plan_index in indices:

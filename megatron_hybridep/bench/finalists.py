@@ -1,0 +1,83 @@
+"""The bench's auto layouts on the testbed: the layout planner's finalists, re-ranked by measured steps.
+
+The cost model prices compute from T_pre and the expert speed as if every rank had a device of its
+own. On the testbed eight ranks share two cores and gloo's collectives cost CPU: a layout's unshaped
+step is 3-10x the model's, and that gap differs between layouts by more than the network time the
+planner weighs at small token counts (docs/results.md, "auto's finalists"). So the bench's auto takes
+every layout the planner prices within FINALIST_WITHIN of its best, gets each one's unshaped step (a
+system already measured at the point gives its own; any other runs a short unshaped trial, at most
+``max_trials`` of them, the planner's fastest first), predicts each as every bench row is predicted
+(unshaped step + the shaped-minus-unshaped network), and runs the fastest. A tie (within
+PREFER_MEGATRON_WITHIN) goes to the layout without hybridep, as the planner's own choice does.
+`pretrain_moe.py --hybridep-layout auto` on GPUs takes the planner's choice as it is. Pure logic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from megatron_hybridep.plan.layout import PREFER_MEGATRON_WITHIN, Layout, LayoutResult, is_hybridep
+from megatron_hybridep.plan.plan import Plan
+
+FINALIST_WITHIN = 1.0  # layouts the planner prices at most 2x its best: the testbed's CPU costs move that much
+MAX_TRIALS = 2  # unshaped trials per auto system and point (a measured system's unshaped step is free)
+
+
+@dataclass
+class Finalist:
+    layout: Layout
+    plan: Plan  # without the planner's figures: what the ranks run
+    planner_s: float  # the planner's predicted step
+    same_as: str | None = None  # the system measured at the point with this configuration
+    unshaped_s: float | None = None  # its measured unshaped step (the system's calibration, or a trial)
+    predicted_s: float | None = None  # unshaped_s + the network the cost model adds when the WAN is shaped
+
+    @property
+    def name(self) -> str:
+        """The label the ranks run it under (the worker's layout name)."""
+        return f"PP{self.layout.pp} EP{self.layout.ep}" + (f" {self.plan.label}" if is_hybridep(self.plan) else "")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"name": self.name, "planner_s": self.planner_s, "same_as": self.same_as,
+                "unshaped_s": self.unshaped_s, "predicted_s": self.predicted_s}
+
+
+def finalists(results: list[LayoutResult], within: float = FINALIST_WITHIN) -> list[Finalist]:
+    """Each layout's best plan, and its best plan without hybridep beside a hybridep best, priced
+    within ``within`` of the fastest; fastest first. ``results``: plan_layouts' fitting layouts."""
+    out: list[Finalist] = []
+    fit = [r for r in results if r.fits]
+    if not fit:
+        return out
+    limit = min(r.step for r in fit) * (1 + within)
+    for r in fit:
+        for cand, step in ((r.best, r.step), (r.megatron, r.megatron_step)):
+            plan = replace(cand.plan, predicted={}, link_bytes={}) if cand is not None else None
+            if plan is not None and step <= limit and all((f.layout, f.plan) != (r.layout, plan) for f in out):
+                out.append(Finalist(r.layout, plan, step))
+    return sorted(out, key=lambda f: f.planner_s)
+
+
+def trim(cands: list[Finalist], max_trials: int = MAX_TRIALS) -> tuple[list[Finalist], list[Finalist]]:
+    """(kept, dropped): every finalist a measured system stands for, and the planner's fastest
+    ``max_trials`` of the others."""
+    kept, dropped, trials = [], [], 0
+    for f in cands:
+        if f.same_as is None:
+            trials += 1
+            if trials > max_trials:
+                dropped.append(f)
+                continue
+        kept.append(f)
+    return kept, dropped
+
+
+def choose(cands: list[Finalist], margin: float = PREFER_MEGATRON_WITHIN) -> Finalist:
+    """The finalist predicted fastest; the fastest without hybridep instead when it is within ``margin``."""
+    if not cands or any(f.predicted_s is None for f in cands):
+        raise ValueError("choose: every finalist needs its predicted step")
+    ranked = sorted(cands, key=lambda f: (f.predicted_s, f.planner_s))
+    best = ranked[0]
+    plain = next((f for f in ranked if not is_hybridep(f.plan)), None)
+    if is_hybridep(best.plan) and plain is not None and plain.predicted_s <= best.predicted_s * (1 + margin):
+        return plain
+    return best
