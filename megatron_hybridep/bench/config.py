@@ -37,7 +37,8 @@ DEFAULTS: dict[str, Any] = {"dcs": 2, "ranks_per_dc": 2, "rate": "50mbit", "poin
                             "borrowed_copies": "auto", "overlap_grad_reduce": True, "auto_trials": 2}
 COPIES = ("auto", "iteration", "microbatch")  # --hybridep-borrowed-copies; auto = iteration (bench models fit)
 # --smoke: the same path end to end, small enough for CI (< 60 s on 2 cores)
-SMOKE: dict[str, Any] = {"points": 2, "min_tokens": 32, "seq": 32, "warmup": 1, "iters": 2, "timeout": 150.0}
+SMOKE: dict[str, Any] = {"points": 2, "min_tokens": 32, "seq": 32, "warmup": 1, "iters": 2, "timeout": 150.0,
+                         "auto_trials": 1}
 
 
 class BenchError(RuntimeError):

@@ -65,6 +65,13 @@ def test_bench_smoke_end_to_end(smoke_m1):
     assert all(r["micro_batches"] == "2" for r in pp)  # the same global batch on half the DP ranks
     summary_layouts = json.loads((out / "summary.json").read_text())["layouts"]
     assert {k.split()[1] for k in summary_layouts} == {"pp", "auto", "auto-c"}
+    finals = json.loads((out / "summary.json").read_text())["finalists"]  # bench/finalists.py
+    assert set(finals) == {f"{p} {s}" for p in range(SMOKE["points"]) for s in ("auto", "auto-c")}
+    for key, rec in finals.items():  # each ran the finalist predicted fastest (or a near-tie without hybridep)
+        best = min(f["predicted_s"] for f in rec["finalists"])
+        chosen = next(f for f in rec["finalists"] if f["name"] == rec["chosen"])
+        assert chosen["predicted_s"] <= best * 1.05 + 1e-9 and chosen["unshaped_s"] > 0, (key, rec)
+    assert "auto's finalists" in stdout
     assert (out / "bench.png").stat().st_size > 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["command"].startswith("python -m megatron_hybridep bench")
@@ -149,7 +156,7 @@ def test_default_sweep_spans_32x_as_micro_batch_times_seq():
     ({"ranks_per_dc": 1}, "--systems replicated"), ({"dcs": 3}, "--model"), ({"burst_ms": -1}, "--burst-ms"),
     ({"queue_ms": -5}, "--queue-ms"),
     ({"compression_ratio": 1}, "--compression-ratio"), ({"micro_batches": 0}, "--micro-batches"),
-    ({"grad_compression_ratio": 0.5}, "--grad-compression-ratio"),
+    ({"grad_compression_ratio": 0.5}, "--grad-compression-ratio"), ({"auto_trials": -1}, "--auto-trials"),
     ({"dcs": 4, "systems": "ep,pp"}, "--systems pp"),  # 2 layers cannot make 4 stages
 ])
 def test_bad_options_name_the_field_and_the_fix(kw, field):

@@ -1,0 +1,142 @@
+"""The bench's auto systems (bench/finalists.py): the planner's finalists, each predicted from its
+measured unshaped step (a measured system's calibration, or an unshaped trial), the fastest run.
+At 4 DCs x 2 and 32 tokens the planner alone chose PP2 EP4 (its model: 759 ms against HybridEP-c's
+1.15 s); measured unshaped, that layout's step was 3.52 s against HybridEP-c's 2.90 s, and it ran
+16% slower than HybridEP-c. No testbed here: the session is driven with recorded-style events."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from megatron_hybridep.bench import finalists as bf
+from megatron_hybridep.bench import predict as bp
+from megatron_hybridep.plan.layout import Layout, is_hybridep, plan_layouts
+from megatron_hybridep.plan.plan import Plan
+
+CALIB = bp.Calibration(t_pre_s=0.05, expert_fwd_s=0.02, expert_rows=4096.0)
+
+
+def _cfg(**kw):
+    import argparse
+
+    from megatron_hybridep.bench.cli import add_arguments, resolve
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = {"dcs": 4, "ranks_per_dc": 2, "rate": "10mbit", "points": 2, "min_tokens": 32, "seq": 32,
+            "micro_batches": 8, "model": "configs/models/bench-moe-deep.yaml",
+            "systems": "ep,replicated,hybridep-compressed,pp,auto,auto-c", **kw}
+    return resolve(parser.parse_args([x for k, v in base.items() for x in (f"--{k.replace('_', '-')}", str(v))]))
+
+
+def _results(cfg, tokens=32):
+    topo = bp.testbed_topology(cfg.dcs, cfg.ranks_per_dc, 9.6, 1000.0)
+    work = CALIB.workload(cfg.model, tokens, 32, micro_batches=cfg.micro_batches, overlap_grad_reduce=True,
+                          dense_params=35_000)
+    return plan_layouts(topo, work)
+
+
+def test_finalists_are_the_layouts_priced_within_the_window_fastest_first():
+    results = [r for r in _results(_cfg()) if r.fits and r.layout.tp == 1]
+    cands = bf.finalists(results, within=1.0)
+    best = min(r.step for r in results)
+    assert cands and cands[0].planner_s == pytest.approx(best)
+    assert all(f.planner_s <= 2 * best + 1e-12 for f in cands)
+    assert [f.planner_s for f in cands] == sorted(f.planner_s for f in cands)
+    assert len({(f.layout, f.plan) for f in cands}) == len(cands)
+    assert all(not f.plan.predicted and not f.plan.link_bytes for f in cands)  # what the ranks run
+    # nothing priced beyond the window made it, and a wider window admits more
+    outside = [r for r in results if r.step > 2 * best]
+    assert all(r.layout != f.layout or r.best.plan.label != f.plan.label for r in outside for f in cands)
+    assert len(bf.finalists(results, within=10.0)) > len(cands)
+
+
+def test_trim_keeps_every_measured_finalist_and_the_planners_fastest_trials():
+    lay = Layout(1, 1, 8, 8, 8)
+    fs = [bf.Finalist(lay, Plan.grid((8,), (1,), 16, ("gpu",)), s, same) for s, same in
+          ((1.0, None), (1.1, "pp"), (1.2, None), (1.3, None), (1.4, "ep"))]
+    kept, dropped = bf.trim(fs, max_trials=2)
+    assert [f.planner_s for f in kept] == [1.0, 1.1, 1.2, 1.4]
+    assert [f.planner_s for f in dropped] == [1.3]
+    kept, dropped = bf.trim(fs, max_trials=0)
+    assert [f.same_as for f in kept] == ["pp", "ep"] and len(dropped) == 3
+
+
+def test_choose_takes_the_fastest_prediction_and_a_near_tie_goes_to_megatron():
+    lay = Layout(1, 1, 8, 8, 8)
+    plain = Plan.grid((4, 2), (1, 1), 16, ("dc", "gpu"))
+    hybrid = Plan.grid((4, 2), (4, 1), 16, ("dc", "gpu"))
+    assert is_hybridep(hybrid) and not is_hybridep(plain)
+
+    def pick(t_plain, t_hybrid):
+        return bf.choose([bf.Finalist(lay, plain, 0.5, predicted_s=t_plain),
+                          bf.Finalist(lay, hybrid, 0.4, predicted_s=t_hybrid)]).plan
+
+    assert pick(4.0, 3.0) == hybrid  # the planner's order does not decide: the predictions do
+    assert pick(3.1, 3.0) == plain  # within 5%: no hybridep
+    assert pick(2.0, 3.0) == plain
+    with pytest.raises(ValueError, match="predicted"):
+        bf.choose([bf.Finalist(lay, plain, 0.5)])
+
+
+def _session(cfg):
+    from megatron_hybridep.bench.session import Session
+
+    s = Session(cfg, tb=None, log=io.StringIO())  # type: ignore[arg-type]  # nothing is shaped
+    s.info.update(intra_mbit=1000.0, unshaped_wan_mbit=1000.0)
+    s.shaped = False  # the WAN stays as it is: no testbed to shape
+    s.candidates = bp.candidate_plans(s.topology(shaped=True), cfg.model.num_experts)
+    s.events = [{"event": "model", "system": "ep", "dense_params": 35_000}]
+    for p in cfg.points:
+        s.events.append({"event": "point", "phase": "calibrate", "system": "ep", "plan": "ep", "point": p["index"],
+                         "median_s": 3.0, "ranks": {"t_pre": CALIB.t_pre_s, "expert_fwd": CALIB.expert_fwd_s,
+                                                    "expert_rows": CALIB.expert_rows}})
+    return s
+
+
+def test_session_trials_the_unmeasured_finalists_then_runs_the_fastest_prediction():
+    cfg = _cfg(auto_trials=2, systems="ep,replicated,auto-c")
+    s = _session(cfg)
+    s.queue = [(0, "auto-c")]
+    orders, unshaped = [], {}
+    while True:  # the control loop: each trial's unshaped step arrives with the next request
+        s.launch_point = None
+        order = s.handle({"op": "next", "events": []})
+        if order.get("done") or not order.get("trial"):
+            break
+        orders.append(order)
+        name = order["layout"]["name"]
+        unshaped[name] = 2.0 if len(orders) == 2 else 5.0  # the second trial is the fast one
+        s.events.append({"event": "point", "phase": "trial", "system": "auto-c", "plan": name, "point": 0,
+                         "median_s": unshaped[name]})
+    finals = s.finals[(0, "auto-c")]
+    assert len(orders) == 2 == sum(f.same_as is None for f in finals)  # --auto-trials 2, nothing measured ran
+    assert all(o["system"] == "auto-c" and "dispatcher" in o for o in orders)
+    for o in orders:  # auto-c's trials of a hybridep plan run compressed, as its final run would
+        assert ("compression_ratio" in o) == (o["dispatcher"] == "hybridep")
+    chosen = next(f for f in finals if f.name == orders[1]["layout"]["name"])
+    assert order["layout"]["name"] == chosen.name and not order.get("trial")  # the final run: shaped after
+    assert all(f.predicted_s > f.unshaped_s for f in finals)  # the shaped WAN adds network time
+    assert chosen.predicted_s == min(f.predicted_s for f in finals)
+    rec = s.info["finalists"]["0 auto-c"]
+    assert rec["chosen"] == chosen.name and len(rec["finalists"]) == len(finals)
+
+
+def test_a_measured_system_stands_for_its_finalist_without_a_trial():
+    cfg = _cfg(auto_trials=0)
+    s = _session(cfg)
+    pp = bp.pp_layout(cfg.dcs, cfg.ranks_per_dc, cfg.micro_batches)
+    s.layouts[(0, "pp")] = pp
+    s.chosen[(0, "pp")] = bp.stage_plan(s.topology(shaped=True), pp.pp, pp.ep, cfg.model.num_experts)
+    s.events.append({"event": "point", "phase": "calibrate", "system": "pp", "plan": "PP4 EP2", "point": 0,
+                     "median_s": 1.5})
+    s.queue = [(0, "auto")]
+    order = s.handle({"op": "next", "events": []})
+    finals = s.finals[(0, "auto")]
+    assert all(f.same_as is not None for f in finals)  # --auto-trials 0: only measured systems compete
+    assert {f.same_as for f in finals} >= {"pp"}
+    assert order.get("done")  # auto chose a measured system's layout: its row stands for auto's
+    assert s.info["same_as"]["0 auto"] == next(f.same_as for f in finals if f.name == s.info["finalists"]["0 auto"]
+                                               ["chosen"])
