@@ -22,6 +22,11 @@ FINALIST_WITHIN = 1.0  # layouts the planner prices at most 2x its best: the tes
 MAX_TRIALS = 2  # unshaped trials per auto system and point (a measured system's unshaped step is free)
 
 
+def layout_name(layout: Layout, plan: Plan) -> str:
+    """The label a layout system runs under (its rows and events), e.g. "PP2 EP4 domains dc2 gpu1"."""
+    return f"PP{layout.pp} EP{layout.ep}" + (f" {plan.label}" if is_hybridep(plan) else "")
+
+
 @dataclass
 class Finalist:
     layout: Layout
@@ -33,8 +38,7 @@ class Finalist:
 
     @property
     def name(self) -> str:
-        """The label the ranks run it under (the worker's layout name)."""
-        return f"PP{self.layout.pp} EP{self.layout.ep}" + (f" {self.plan.label}" if is_hybridep(self.plan) else "")
+        return layout_name(self.layout, self.plan)
 
     def to_dict(self) -> dict[str, object]:
         return {"name": self.name, "planner_s": self.planner_s, "same_as": self.same_as,

@@ -300,8 +300,7 @@ class Session:
     def _layout_order(layout: Layout, plan: Plan) -> dict[str, Any]:
         """A layout's order fields: its stages, EP size, micro-batches, dispatcher and plan."""
         hybrid = is_hybridep(plan)
-        name = f"PP{layout.pp} EP{layout.ep}" + (f" {plan.label}" if hybrid else "")
-        return {"layout": {"pp": layout.pp, "ep": layout.ep, "name": name},
+        return {"layout": {"pp": layout.pp, "ep": layout.ep, "name": bf.layout_name(layout, plan)},
                 "micro_batches": layout.micro_batches, "dispatcher": "hybridep" if hybrid else "alltoall",
                 **({"plans": [plan.to_dict()]} if hybrid else {})}
 
