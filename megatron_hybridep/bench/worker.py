@@ -370,8 +370,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # the ranks share the machine's cores, as torchrun's OMP default does
     dist.init_process_group("gloo", timeout=timedelta(seconds=spec["timeout_s"]))
     from megatron_hybridep.megatron import cpu_runtime
+    from megatron_hybridep.megatron.group_reuse import reuse_megatron_groups
 
     cpu_runtime.enable()
+    reuse_megatron_groups()  # a worker builds a system after another: gloo's threads would pile up
     try:
         Worker(spec).run()
     finally:

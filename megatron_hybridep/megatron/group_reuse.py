@@ -1,0 +1,67 @@
+"""Megatron's process groups reused when one process builds its parallel state again and again.
+
+A process that calls initialize_model_parallel once per configuration (the bench's rank workers
+build one per system) gets a new set of groups each time, and gloo never frees a group's threads
+(runtime/groups.py): 60 threads per build at 4 ranks, and a step of the same model ran 3.5 s on the
+first build and 19.5 s on the twelfth (docs/bench.md). With ``reuse_megatron_groups()`` a group
+asked for again (same ranks, backend, timeout and description) is the one made before, and
+destroy_model_parallel leaves those alone: a second build of a layout creates no group.
+
+Every rank asks for the same groups in the same order (new_group is collective over the world), so
+hits and misses agree. Only for processes that own their world group (the bench's workers).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch.distributed as dist
+
+_cache: dict[tuple[Any, ...], Any] = {}
+_world: list[Any] = [None]  # the world group the cached groups belong to
+
+
+def reuse_megatron_groups() -> None:
+    """Install the cache into megatron.core.parallel_state (idempotent)."""
+    from megatron.core import parallel_state as ps
+
+    if getattr(ps.create_group, "_hybridep_reuse", False):
+        return
+    create, destroy = ps.create_group, ps.destroy_model_parallel
+
+    @functools.wraps(create)
+    def create_group(ranks: Any = None, timeout: Any = None, backend: Any = None, pg_options: Any = None,
+                     use_local_synchronization: bool = False, group_desc: Any = None) -> Any:
+        if _world[0] is not dist.group.WORLD:  # a new world: the old groups went with it
+            _cache.clear()
+            _world[0] = dist.group.WORLD
+        if pg_options is not None or use_local_synchronization:  # not keyed: made each time, as Megatron does
+            return create(ranks, timeout, backend, pg_options, use_local_synchronization, group_desc)
+        key = (tuple(ranks), backend, timeout, group_desc)
+        if key not in _cache:
+            _cache[key] = create(ranks, timeout, backend, pg_options, use_local_synchronization, group_desc)
+        return _cache[key]
+
+    @functools.wraps(destroy)
+    def destroy_model_parallel() -> None:
+        kept = {id(g) for g in _cache.values()}
+        real = dist.destroy_process_group
+
+        def destroy_process_group(group: Any = None) -> None:
+            if group is None or id(group) not in kept:
+                real(group)
+
+        dist.destroy_process_group = destroy_process_group  # parallel_state calls it through the module
+        try:
+            destroy()
+        finally:
+            dist.destroy_process_group = real
+
+    create_group._hybridep_reuse = True  # type: ignore[attr-defined]
+    ps.create_group, ps.destroy_model_parallel = create_group, destroy_model_parallel
+
+
+def groups_made() -> int:
+    """How many distinct groups the cache holds (the tests' count)."""
+    return len(_cache)
