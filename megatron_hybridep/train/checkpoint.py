@@ -122,6 +122,14 @@ def load(args: argparse.Namespace, model: Any, optimizer: Any, scheduler: Any, r
     from megatron.core import dist_checkpointing
 
     iteration = latest_iteration(args.load)
+    step = getattr(args, "ckpt_step", None)  # Megatron's --ckpt-step: that iteration, not the latest
+    if step is not None:
+        if not os.path.isdir(_dir(args.load, step)):
+            saved = sorted(int(d[5:]) for d in (os.listdir(args.load) if os.path.isdir(args.load) else [])
+                           if d.startswith("iter_") and d[5:].isdigit())  # not an uncommitted .partial
+            raise FileNotFoundError(f"--ckpt-step {step}: no checkpoint of iteration {step} in --load {args.load} "
+                                    f"(saved: {saved or 'none'}); fix: pass one of those, or drop --ckpt-step")
+        iteration = step
     if iteration is None:
         if getattr(args, "exit_on_missing_checkpoint", False):
             raise FileNotFoundError(f"--load {args.load}: no {TRACKER}; fix: point --load at a --save directory")

@@ -1,5 +1,6 @@
-"""Exact resume (issue 28, item 1): a run stopped with --exit-interval N --save and resumed with
---load equals the uninterrupted run bit for bit, losses at every iteration and every parameter, with
+"""Exact resume (issue 28, item 1): a run resumed with --load from a checkpoint of iteration N (saved
+by the uninterrupted run itself, or by a run stopped with --exit-interval N --save) equals the
+uninterrupted run bit for bit, losses at every iteration and every parameter, with
 the runtime's own state (incremental codec copies, error-feedback residuals, the shared expert and
 its refresh counter) and the RNG saved next to Megatron's checkpoint (train/checkpoint.py)."""
 
@@ -21,15 +22,23 @@ COMPRESSED = ["--hybridep-compression-ratio", "10", "--hybridep-grad-compression
 ITERS, STOP = 6, 4
 
 
-def _stop_and_resume(flags, dispatcher, plan, ckpt, world=4, topology=None):
-    """(loss, parameter) largest differences between the uninterrupted run and the one stopped at
-    STOP (--exit-interval, saving on the way out as Megatron does) and resumed to ITERS."""
-    full = train(world, flags, dispatcher, plan=plan, topology=topology, iters=ITERS)
-    saving = [*flags, "--save", ckpt, "--save-interval", "100"]
-    stopped = train(world, [*saving, "--exit-interval", str(STOP)], dispatcher, plan=plan, topology=topology,
-                    iters=ITERS)
-    assert all(len(losses) == STOP for losses, _ in stopped) and latest_iteration(ckpt) == STOP
-    resumed = train(world, [*flags, "--load", ckpt], dispatcher, plan=plan, topology=topology, iters=ITERS)
+def _stop_and_resume(flags, dispatcher, plan, ckpt, world=4, topology=None, stop_run=False):
+    """(loss, parameter) largest differences between the uninterrupted run and a run resumed from
+    its checkpoint at STOP to ITERS. The uninterrupted run saves at STOP itself (--save-interval;
+    the resumed run loads it with --ckpt-step): a save must not disturb the run that goes on. With
+    ``stop_run`` the checkpoint comes from a separate run stopped there (--exit-interval, saving on
+    the way out as Megatron does): the same save, one run more."""
+    saving = ["--save", ckpt, "--save-interval", str(STOP)]
+    full = train(world, [*flags, *([] if stop_run else saving)], dispatcher, plan=plan, topology=topology,
+                 iters=ITERS)
+    if stop_run:
+        stopped = train(world, [*flags, *saving, "--exit-interval", str(STOP)], dispatcher, plan=plan,
+                        topology=topology, iters=ITERS)
+        assert all(len(losses) == STOP for losses, _ in stopped) and latest_iteration(ckpt) == STOP
+    else:
+        assert latest_iteration(ckpt) == ITERS  # and STOP's, which --ckpt-step picks
+    resumed = train(world, [*flags, "--load", ckpt, "--ckpt-step", str(STOP)], dispatcher, plan=plan,
+                    topology=topology, iters=ITERS)
     assert all(len(losses) == ITERS - STOP for losses, _ in resumed)
     assert any(not math.isnan(x) for losses, _ in resumed for x in losses)
     return max_differences(resumed, [(losses[STOP:], params) for losses, params in full])
@@ -74,7 +83,7 @@ def test_compressed_run_with_pipeline_stages_resumes_bit_for_bit(tmp_path):
 def test_dropout_resumes_bit_for_bit(tmp_path):
     """The RNG comes back: dropout masks after the resume are the uninterrupted run's."""
     flags = ["--hybridep-fp64", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-    loss, param = _stop_and_resume(flags, "alltoall", None, str(tmp_path / "ckpt"))
+    loss, param = _stop_and_resume(flags, "alltoall", None, str(tmp_path / "ckpt"), stop_run=True)
     assert loss == 0.0 and param == 0.0, f"resumed vs uninterrupted: loss {loss:.3g}, param {param:.3g}"
 
 
@@ -211,3 +220,18 @@ def test_state_saved_under_another_plan_is_ignored(tmp_path):
     assert all(seen == [False] and len(losses) == 1 and math.isfinite(losses[0]) for seen, losses in other), other
     again = run_ranks(_restored, 4, [*common, "--hybridep-plan", plan, "--load", ckpt], timeout=300)
     assert all(seen == [True] and len(losses) == 1 for seen, losses in again), again
+
+
+def test_ckpt_step_without_that_checkpoint_names_the_saved_ones(tmp_path):
+    """--ckpt-step N loads iteration N rather than the latest; one not saved (or only half-saved) is
+    refused with the iterations there are, before anything is read."""
+    import argparse
+
+    from megatron_hybridep.train import checkpoint
+
+    for name in ("iter_0000002", "iter_0000004.partial"):
+        (tmp_path / name).mkdir()
+    (tmp_path / checkpoint.TRACKER).write_text("2")
+    for step in (3, 4):
+        with pytest.raises(FileNotFoundError, match=rf"--ckpt-step {step}: .*\(saved: \[2\]\); fix"):
+            checkpoint.load(argparse.Namespace(load=str(tmp_path), ckpt_step=step), None, None, None)
