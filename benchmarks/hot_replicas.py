@@ -166,6 +166,7 @@ def worker(spec: dict) -> None:
     from megatron_hybridep.data.synthetic import MarkovCorpus
     from megatron_hybridep.megatron import cpu_runtime, grad_sync, setup, teardown
     from megatron_hybridep.megatron.dispatcher import instrument
+    from megatron_hybridep.megatron.group_reuse import reuse_megatron_groups
     from megatron_hybridep.plan.phases import Phase
     from megatron_hybridep.runtime.instrument import Stats
     from megatron_hybridep.train.gpt import build, initialize_parallel
@@ -173,6 +174,7 @@ def worker(spec: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=spec["timeout"]))
     cpu_runtime.enable()
+    reuse_megatron_groups()  # 4 builds a repeat: gloo's threads of rebuilt groups would slow the later ones
     rank, world = dist.get_rank(), dist.get_world_size()
     control = ControlClient(os.environ[CONTROL_ENV]) if rank == 0 else None
     corpus = MarkovCorpus(vocab_size=spec["model"]["vocab_size"])

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-_cache: dict[tuple[Any, ...], Any] = {}
-_world: list[Any] = [None]  # the world group the cached groups belong to
+from megatron_hybridep.runtime.context import process_context
 
 
 def reuse_megatron_groups() -> None:
-    """Install the cache into megatron.core.parallel_state (idempotent)."""
+    """Install the cache into megatron.core.parallel_state (idempotent). The groups live in the
+    process context (``megatron_groups``), for the life of the world group."""
     from megatron.core import parallel_state as ps
 
     if getattr(ps.create_group, "_hybridep_reuse", False):
@@ -33,19 +33,16 @@ def reuse_megatron_groups() -> None:
     @functools.wraps(create)
     def create_group(ranks: Any = None, timeout: Any = None, backend: Any = None, pg_options: Any = None,
                      use_local_synchronization: bool = False, group_desc: Any = None) -> Any:
-        if _world[0] is not dist.group.WORLD:  # a new world: the old groups went with it
-            _cache.clear()
-            _world[0] = dist.group.WORLD
-        if pg_options is not None or use_local_synchronization:  # not keyed: made each time, as Megatron does
+        def make() -> Any:
             return create(ranks, timeout, backend, pg_options, use_local_synchronization, group_desc)
-        key = (tuple(ranks), backend, timeout, group_desc)
-        if key not in _cache:
-            _cache[key] = create(ranks, timeout, backend, pg_options, use_local_synchronization, group_desc)
-        return _cache[key]
+
+        if pg_options is not None or use_local_synchronization:  # not keyed: made each time, as Megatron does
+            return make()
+        return process_context().megatron_groups.cached((tuple(ranks), backend, timeout, group_desc), make)
 
     @functools.wraps(destroy)
     def destroy_model_parallel() -> None:
-        kept = {id(g) for g in _cache.values()}
+        kept = {id(g) for g in process_context().megatron_groups.groups.values()}
         real = dist.destroy_process_group
 
         def destroy_process_group(group: Any = None) -> None:
@@ -63,5 +60,5 @@ def reuse_megatron_groups() -> None:
 
 
 def groups_made() -> int:
-    """How many distinct groups the cache holds (the tests' count)."""
-    return len(_cache)
+    """How many distinct groups this process holds for Megatron (the tests' count)."""
+    return process_context().megatron_groups.created

@@ -254,13 +254,16 @@ class CpuPatches:
 class ProcessContext:
     """All of this process's mutable runtime state, in one object: the HybridEP runtime (None
     without hybridep), the measurement (None when not measuring), the one MoE-layer counter, the
-    launcher's heartbeat, the process groups built for plans and the CPU runtime's patches of Megatron."""
+    launcher's heartbeat, the process groups built for plans (and Megatron's, where reused) and the CPU
+    runtime's patches of Megatron."""
 
     runtime: HybridEPRuntime | None = None
     measuring: Measuring | None = None
     moe_layers: int = 0  # MoE layers of the model being built: their statistics' keys
     heartbeat: Heartbeat = dataclasses.field(default_factory=Heartbeat)
     group_cache: GroupCache = dataclasses.field(default_factory=GroupCache)  # outlives runtimes (groups.py)
+    # Megatron's own groups, kept across rebuilds of its parallel state (megatron/group_reuse.py)
+    megatron_groups: GroupCache = dataclasses.field(default_factory=GroupCache)
     cpu_patches: CpuPatches = dataclasses.field(default_factory=CpuPatches)  # Megatron on CPU (cpu_runtime.py)
 
     def set_runtime(self, runtime: HybridEPRuntime | None) -> None:

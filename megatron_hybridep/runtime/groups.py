@@ -12,7 +12,9 @@ asks for the same ranks in the same order, so hits and misses, and the new_group
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 
@@ -25,23 +27,28 @@ class GroupCache:
     (module doc). One per process, held by its ProcessContext (runtime/context.py), so that runtimes
     rebuilt in the process reuse them."""
 
-    groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+    groups: dict[tuple[Any, ...], dist.ProcessGroup] = field(default_factory=dict)  # by ranks (or a wider key)
     world: dist.ProcessGroup | None = None  # the world group the cached groups belong to
     created: int = 0  # groups created in this process (the soak test's count)
 
     def group_of(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
         """The process group of these global ranks, created on the first request (collective over the
         world: call on every rank with the same ranks in the same order)."""
+        return self.cached(ranks, lambda: dist.new_group(list(ranks)))
+
+    def cached(self, key: tuple[Any, ...], make: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
+        """The group made by ``make()`` on the first request for ``key`` in this world (a rank outside
+        the group gets a placeholder, cached the same way)."""
         from torch.distributed import distributed_c10d as c10d
 
         world = c10d._get_default_group()
         if self.world is not world:  # a new world (destroyed and initialised again): old groups are gone
             self.groups.clear()
             self.world = world
-        if ranks not in self.groups:  # (a rank outside the group gets a placeholder, cached the same way)
-            self.groups[ranks] = dist.new_group(list(ranks))
+        if key not in self.groups:
+            self.groups[key] = make()
             self.created += 1
-        return self.groups[ranks]
+        return self.groups[key]
 
 
 @dataclass(frozen=True)
