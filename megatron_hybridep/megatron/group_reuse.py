@@ -2,8 +2,8 @@
 
 A process that calls initialize_model_parallel once per configuration (the bench's rank workers
 build one per system) gets a new set of groups each time, and gloo never frees a group's threads
-(runtime/groups.py): 60 threads per build at 4 ranks, and a step of the same model ran 3.5 s on the
-first build and 19.5 s on the twelfth (docs/bench.md). With ``reuse_megatron_groups()`` a group
+(runtime/groups.py): 60 threads per build at 4 ranks, and the same layout ran 2.2-2.9x slower by its
+third build (benchmarks/rebuild_probe.py, docs/results.md). With ``reuse_megatron_groups()`` a group
 asked for again (same ranks, backend, timeout and description) is the one made before, and
 destroy_model_parallel leaves those alone: a second build of a layout creates no group.
 
