@@ -21,11 +21,27 @@ def _run(script: str, interpret: str, timeout: int) -> subprocess.CompletedProce
     return proc
 
 
-def check_under_interpreter(script: str, timeout: int = 300) -> None:
-    """The Triton kernels against the torch reference, on CPU under TRITON_INTERPRET=1."""
-    proc = _run(script, "1", timeout)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "ALL OK" in proc.stdout and "MISMATCH" not in proc.stdout
+INTERPRETER_SCRIPTS = ("interp_cases.py", "interp_fused_cases.py")
+
+
+def start_under_interpreter(script: str) -> subprocess.Popen:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, str(REPO / "tests/kernels" / script)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def check_under_interpreter(proc: subprocess.Popen, timeout: int = 600) -> None:
+    """The Triton kernels against the torch reference, on CPU under TRITON_INTERPRET=1 (a script
+    started by start_under_interpreter)."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"no result after {timeout} s:\n{stdout}\n{stderr}")
+    print(stdout)
+    assert proc.returncode == 0, stdout + stderr
+    assert "ALL OK" in stdout and "MISMATCH" not in stdout
 
 
 def check_compiles_for_sm90(script: str, timeout: int = 300) -> None:

@@ -9,8 +9,8 @@ from megatron_hybridep.kernels import codec as C
 from .helpers import check_compiles_for_sm90, check_under_interpreter
 
 
-def test_triton_kernels_match_torch_under_interpreter():
-    check_under_interpreter("interp_cases.py")
+def test_triton_kernels_match_torch_under_interpreter(interpreter_runs):
+    check_under_interpreter(interpreter_runs["interp_cases.py"])
 
 
 def test_triton_kernels_compile_for_sm90_without_a_gpu():

@@ -10,8 +10,8 @@ from megatron_hybridep.runtime.compression import SharedResidualCodec
 from .helpers import check_compiles_for_sm90, check_under_interpreter
 
 
-def test_fused_triton_kernels_match_torch_under_interpreter():
-    check_under_interpreter("interp_fused_cases.py", timeout=600)
+def test_fused_triton_kernels_match_torch_under_interpreter(interpreter_runs):
+    check_under_interpreter(interpreter_runs["interp_fused_cases.py"])
 
 
 def test_fused_triton_kernels_compile_for_sm90_without_a_gpu():
