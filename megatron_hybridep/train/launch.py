@@ -10,6 +10,7 @@ job when a rank's progress has not moved for the stall timeout.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
 import multiprocessing as mp
@@ -30,10 +31,11 @@ from megatron_hybridep.runtime.context import process_context
 from megatron_hybridep.runtime.logs import quiet_known_warnings
 
 # Imported once by the fork server so each rank starts in ~0.1 s instead of re-importing torch and
-# Megatron (~5 s each on these machines); quiet_imports first, so its warning filters cover those imports.
+# Megatron (~9 CPU-s on these machines); quiet_imports first, so its warning filters cover those imports.
+# megatron.training too: pretrain_moe's ranks run its loop and checkpointing (1 CPU-s more per rank).
 PRELOAD = ["megatron_hybridep.train.quiet_imports", "torch", "torch.distributed",
            "megatron.core.transformer.moe.moe_layer", "megatron.core.models.gpt.gpt_model",
-           "megatron.core.distributed", "megatron.core.optimizer"]
+           "megatron.core.distributed", "megatron.core.optimizer", "megatron.training.training"]
 
 _SLOTS = 4  # per rank: progress beats, iteration, median step seconds, predicted step seconds
 _PHASE = 32  # bytes of phase text per rank
@@ -122,6 +124,26 @@ def _forkserver() -> mp.context.ForkServerContext:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def start_forkserver() -> None:
+    """Start the fork server now: a launcher that still has its own imports and checks ahead of it
+    (pretrain_moe.py: ~11 CPU-s) runs them beside the server's preload instead of before it."""
+    from multiprocessing import forkserver
+
+    _forkserver()  # the preload list first: the server reads it when it starts
+    forkserver.ensure_running()
+
+
+def stop_forkserver() -> None:
+    """Kill a fork server started by start_forkserver() for a launch that will not happen (bad
+    input): its preload would otherwise go on for seconds after the launcher has returned."""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)  # multiprocessing has no public stop
+    if pid:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _context(start_method: str = "forkserver") -> mp.context.BaseContext:
