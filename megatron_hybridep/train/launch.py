@@ -136,14 +136,16 @@ def start_forkserver() -> None:
 
 
 def stop_forkserver() -> None:
-    """Kill a fork server started by start_forkserver() for a launch that will not happen (bad
-    input): its preload would otherwise go on for seconds after the launcher has returned."""
+    """Kill the fork server start_forkserver() started, once the launcher is done with it: after bad
+    input its preload would otherwise go on for seconds after the launcher has returned."""
     from multiprocessing import forkserver
 
-    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)  # multiprocessing has no public stop
+    server = forkserver._forkserver  # multiprocessing has no public stop; _stop is what its own tests use
+    pid = getattr(server, "_forkserver_pid", None)
     if pid:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+        server._stop()  # reaps it (gone before the launcher returns) and removes its socket file
 
 
 def _context(start_method: str = "forkserver") -> mp.context.BaseContext:

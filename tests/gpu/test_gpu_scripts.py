@@ -72,13 +72,14 @@ def test_layer_overhead_benchmark_runs_on_cpu(tmp_path):
                                     "--out", str(tmp_path / f"layer{mode}.json")],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
             for i, mode in enumerate(("", "--control"))}
-    ops = {}
-    for mode, proc in runs.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=120)
-        finally:
+    try:
+        outputs = {mode: proc.communicate(timeout=120) for mode, proc in runs.items()}
+    finally:
+        for proc in runs.values():
             proc.kill()
-        assert proc.returncode == 0, stderr[-3000:]
+    ops = {}
+    for mode, (stdout, stderr) in outputs.items():
+        assert runs[mode].returncode == 0, stderr[-3000:]
         r = json.loads((tmp_path / f"layer{mode}.json").read_text())
         assert "median of paired ratios" in stdout and r["control"] == bool(mode)
         assert ("A/A control" in stdout) == bool(mode)
