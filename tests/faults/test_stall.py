@@ -57,8 +57,7 @@ def test_sigstopped_rank_fails_the_job_naming_it(tmp_path):
     assert "Traceback" not in err
     assert 8 <= detect < 30, detect
     # gone or a zombie; the launcher's multiprocessing helpers (resource tracker) may still be exiting
-    _wait_for(lambda: not [p for p in descendants if _running(p)], 10,
-              f"the job's processes to end: {[p for p in descendants if _running(p)]}")
+    _wait_for(lambda: not any(map(_running, descendants)), 10, f"the job's processes {sorted(descendants)} to end")
 
 
 def _running(pid):
