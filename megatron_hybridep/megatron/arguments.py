@@ -5,6 +5,7 @@ flag, with the command line overriding them."""
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -172,9 +173,31 @@ def _allow_hybridep_dispatcher(parser: argparse.ArgumentParser) -> None:
     raise RuntimeError("Megatron's parser has no --moe-token-dispatcher-type; unsupported megatron-core version")
 
 
+def _read_field_docs_once() -> None:
+    """Megatron writes its config dataclasses' flags' help from their source (inspect.getsource and
+    ast.parse per class, ~0.3 CPU-s per parser, and every parse builds two). The source cannot change
+    within a process: read it once per class. Only a cost; a Megatron without the method is left alone."""
+    from megatron.training import argument_utils
+
+    factory = getattr(argument_utils, "ArgumentGroupFactory", None)
+    read = getattr(factory, "_get_field_docstrings", None)
+    if read is None or hasattr(read, "__wrapped__"):
+        return
+    docs: dict[type, dict[str, str]] = {}
+
+    @functools.wraps(read)
+    def once(self: Any, src_cfg_class: type) -> dict[str, str]:
+        if src_cfg_class not in docs:
+            docs[src_cfg_class] = read(self, src_cfg_class)
+        return dict(docs[src_cfg_class])  # a copy: callers may update what they get
+
+    factory._get_field_docstrings = once
+
+
 def build_parser() -> argparse.ArgumentParser:
     from megatron.training.arguments import add_megatron_arguments
 
+    _read_field_docs_once()
     parser = argparse.ArgumentParser(description="Megatron-Core MoE pretraining with HybridEP", allow_abbrev=False)
     return add_hybridep_args(add_megatron_arguments(parser))
 
