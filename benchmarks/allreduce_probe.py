@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     with Testbed(TestbedConfig(dcs=args.dcs, ranks_per_dc=args.ranks_per_dc, rate_mbit=rate, burst_ms=1)) as tb:
         for run in range(args.runs):
             before = tb.link_counters()
-            res = launch(tb, worker, timeout_s=args.timeout).raise_for_status()
+            res = launch(tb, worker, timeout_s=args.timeout, preload=["torch", "torch.distributed"]).raise_for_status()
             after = tb.link_counters()
             results = [json.loads(line.split("RESULT ", 1)[1]) for out in res.outputs
                        for line in out.splitlines() if line.startswith("RESULT ")]

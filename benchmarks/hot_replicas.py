@@ -282,6 +282,7 @@ def main() -> int:
     from megatron_hybridep.testbed.network import Testbed, TestbedConfig
     from megatron_hybridep.testbed.selfcheck import measure_throughput
     from megatron_hybridep.testbed.shaping import parse_rate_mbit
+    from megatron_hybridep.train.rank_imports import PRELOAD
 
     rate = parse_rate_mbit(a.rate)
     if a.tokens % a.seq:
@@ -311,7 +312,8 @@ def main() -> int:
 
         res = launch_controlled(tb, [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
                                 handle, os.path.join(tmp, "control.sock"), time.monotonic() + a.timeout,
-                                env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, timeout_s=a.timeout, cwd=REPO)
+                                env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, timeout_s=a.timeout, cwd=REPO,
+                                preload=PRELOAD)
     res.raise_for_status()
     events = [json.loads(line.split(TAG, 1)[1]) for line in res.outputs[0].splitlines() if TAG in line]
     plan = next(e for e in events if e["event"] == "plan")

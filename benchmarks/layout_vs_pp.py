@@ -67,10 +67,11 @@ def parse_log(text: str, warmup: int) -> tuple[list[float], float]:
 
 def run_one(tb, flags: list[str], args: argparse.Namespace, topology: Path) -> dict:  # noqa: ANN001
     from megatron_hybridep.testbed.launcher import python_cmd
+    from megatron_hybridep.train.rank_imports import PRELOAD
 
     cmd = python_cmd(REPO / "pretrain_moe.py", *MODEL, "--global-batch-size", str(args.global_batch),
                      "--train-iters", str(args.iters), "--log-interval", "1", "--hybridep-topology", topology, *flags)
-    result = tb.launch(cmd, timeout_s=args.timeout, cwd=REPO)
+    result = tb.launch(cmd, timeout_s=args.timeout, cwd=REPO, preload=PRELOAD)
     text = result.outputs[0]
     if not result.ok:
         raise RuntimeError(f"run failed: {' '.join(map(str, cmd))}\n{text[-3000:]}")

@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                         *(["--sends-first"] if args.sends_first else []))
     with Testbed(TestbedConfig(dcs=pp, ranks_per_dc=args.ranks_per_dc, rate_mbit=rate, burst_ms=1)) as tb:
         for run in range(args.repeats):
-            res = launch(tb, worker, timeout_s=args.timeout).raise_for_status()
+            res = launch(tb, worker, timeout_s=args.timeout, preload=["torch", "torch.distributed"]).raise_for_status()
             results = [json.loads(line.split("RESULT ", 1)[1]) for out in res.outputs
                        for line in out.splitlines() if line.startswith("RESULT ")]
             eff = effective_times(results)

@@ -181,6 +181,7 @@ def set_rate(tb: Any, mbit: float) -> None:
 def run_once(tb: Any, cfg: DemoConfig, kind: str, plans: dict[str, Any], tmp: str, log_dir: Path) -> dict[str, Any]:
     """One launch of the 4 ranks; returns rank 0's result."""
     from megatron_hybridep.bench.control import launch_controlled
+    from megatron_hybridep.train.rank_imports import PRELOAD
 
     argv = train_argv(cfg)
     import yaml
@@ -214,7 +215,7 @@ def run_once(tb: Any, cfg: DemoConfig, kind: str, plans: dict[str, Any], tmp: st
            "OMP_NUM_THREADS": "1"}
     launch = launch_controlled(tb, [sys.executable, str(Path(__file__).resolve()), "--worker", spec], handle,
                                os.path.join(tmp, "control.sock"), time.monotonic() + cfg.timeout, env=env,
-                               timeout_s=cfg.timeout, log_dir=log_dir, cwd=REPO)
+                               timeout_s=cfg.timeout, log_dir=log_dir, cwd=REPO, preload=PRELOAD)
     launch.raise_for_status()
     out = json.loads(Path(result).read_text())
     out["changed_at"] = changed.get("iteration")

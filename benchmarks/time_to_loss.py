@@ -90,13 +90,14 @@ def chosen(text: str) -> str:
 
 def run_one(tb, flags: list[str], args: argparse.Namespace, topology: Path) -> list[tuple[int, float, float]]:  # noqa: ANN001
     from megatron_hybridep.testbed.launcher import python_cmd
+    from megatron_hybridep.train.rank_imports import PRELOAD
 
     cmd = python_cmd(REPO / "pretrain_moe.py", *MODEL, *shlex.split(args.model_flags),
                      "--global-batch-size", str(args.global_batch), "--train-iters", str(args.iters),
                      "--lr-warmup-iters", str(max(1, args.iters // 20)), "--log-interval", "1",
                      "--seed", str(args.seed), "--hybridep-layout-independent-init", "--data-path", args.data_path,
                      "--split", "100,0,0", "--hybridep-topology", topology, *flags)
-    result = tb.launch(cmd, timeout_s=args.timeout, cwd=REPO)
+    result = tb.launch(cmd, timeout_s=args.timeout, cwd=REPO, preload=PRELOAD)
     text = next((o for o in result.outputs if LINE.search(o)), result.outputs[0])
     if not result.ok:
         raise RuntimeError(f"run failed: {' '.join(map(str, cmd))}\n{result.outputs[0][-3000:]}")

@@ -71,6 +71,7 @@ from megatron_hybridep.bench.session import Progress, Session
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.testbed.network import Testbed, TestbedConfig
 from megatron_hybridep.testbed.sh import TestbedError
+from megatron_hybridep.train.rank_imports import PRELOAD
 
 
 def run_bench(cfg: BenchConfig, log: IO[str] = sys.stdout) -> dict[str, Any]:
@@ -109,7 +110,7 @@ def _launch(cfg: BenchConfig, tb: Testbed, session: Session, env: dict[str, str]
     result = launch_controlled(tb, [sys.executable, "-m", "megatron_hybridep.bench.worker",
                                     "--spec", str(cfg.out / "spec.json")], session.handle,
                                str(tmp / "control.sock"), deadline, env=env, timeout_s=left, stream=progress,
-                               log_dir=logs, cwd=repo)
+                               log_dir=logs, cwd=repo, preload=PRELOAD)
     try:
         result.raise_for_status()
     except TestbedError as exc:

@@ -4,6 +4,8 @@ Rank order: DC index most significant, rank = dc * K + local_rank (the mixed-rad
 planner uses). Every rank is `ip netns exec <dc ns> timeout <T> <cmd>` in its own session:
 - its own session/process group, so killing the group kills the rank's whole process tree;
 - coreutils `timeout` inside, so a rank ends by itself even if this launcher is SIGKILLed;
+- with ``preload`` (module names) and a command of this interpreter, the same forked from a warm
+  host that imported those modules once (testbed/warm_host.py): a rank then starts in ~0.1 s;
 - stdout+stderr merged, read line by line, kept per rank and optionally streamed with a
   "[r<rank> dc<dc>] " prefix and/or written to <log_dir>/rank<rank>.log.
 
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from megatron_hybridep.testbed import netns
+from megatron_hybridep.testbed import netns, warm_host
 from megatron_hybridep.testbed.interface import EmulatedDCs, RankInfo
 from megatron_hybridep.testbed.sh import TestbedError
 
@@ -64,6 +66,9 @@ def rank_env(info: RankInfo, master_addr: str, master_port: int, num_dcs: int) -
         "HYBRIDEP_DC_ADDR": info.address,
         "PYTHONUNBUFFERED": "1",  # so streamed output arrives line by line
     }
+
+
+PER_RANK_ENV = tuple(rank_env(RankInfo(0, 0, 0, 1, 1, "", "", ""), "", 0, 1))  # the variables ranks differ in
 
 
 @dataclass
@@ -113,12 +118,14 @@ class RankGroup:
         log_dir: str | Path | None = None,
         cwd: str | Path | None = None,
         fail_fast: bool = True,
+        preload: Sequence[str] = (),
     ) -> None:
         if timeout_s <= 0:
             raise TestbedError("timeout_s must be positive")
         self.ranks = tb.ranks(ranks_per_dc)
         self.timeout_s = timeout_s
         self.fail_fast = fail_fast
+        self._preload = list(preload)
         self.master_addr = tb.address(0)
         self.master_port = netns.free_port(tb.netns(0), self.master_addr)
         self._stream = stream
@@ -129,7 +136,7 @@ class RankGroup:
         self._chars = [0] * len(self.ranks)
         self._cond = threading.Condition()
         self._stream_lock = threading.Lock()
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._procs: list[subprocess.Popen[bytes] | warm_host.HostedProcess] = []
         self._readers: list[threading.Thread] = []
         self._returncodes: list[int | None] = [None] * len(self.ranks)
         self._result: LaunchResult | None = None
@@ -151,9 +158,13 @@ class RankGroup:
         full_env.update(rank_env(info, self.master_addr, self.master_port, tb.dcs))
         user_env = env(info) if callable(env) else (env or {})
         full_env.update({k: str(v) for k, v in user_env.items()})
-        wrapper_s = f"{self.timeout_s + WRAPPER_SLACK_S:.0f}s"
+        wrapper_s = round(self.timeout_s + WRAPPER_SLACK_S)
+        if self._preload and warm_host.hostable(argv) and os.environ.get("HYBRIDEP_TESTBED_WARM", "1") != "0":
+            host = warm_host.host_for(self._preload, full_env, PER_RANK_ENV)
+            self._start(info, host.spawn(argv, full_env, str(cwd) if cwd else None, info.netns, wrapper_s))
+            return
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", info.netns, "timeout", "-k", "5s", wrapper_s, *argv],
+            ["ip", "netns", "exec", info.netns, "timeout", "-k", "5s", f"{wrapper_s}s", *argv],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -161,13 +172,16 @@ class RankGroup:
             cwd=cwd,
             start_new_session=True,  # own process group: killpg takes the whole tree
         )
+        self._start(info, proc)
+
+    def _start(self, info: RankInfo, proc: subprocess.Popen[bytes] | warm_host.HostedProcess) -> None:
         self._procs.append(proc)
         reader = threading.Thread(target=self._read, args=(info, proc), daemon=True,
                                   name=f"rank{info.rank}-output")
         reader.start()
         self._readers.append(reader)
 
-    def _read(self, info: RankInfo, proc: subprocess.Popen[bytes]) -> None:
+    def _read(self, info: RankInfo, proc: subprocess.Popen[bytes] | warm_host.HostedProcess) -> None:
         prefix = f"[r{info.rank} dc{info.dc}] "
         log = open(self._log_dir / f"rank{info.rank}.log", "w") if self._log_dir else None  # noqa: SIM115
         try:

@@ -29,15 +29,7 @@ from typing import Any
 
 from megatron_hybridep.runtime.context import process_context
 from megatron_hybridep.runtime.logs import quiet_known_warnings
-
-# Imported once by the fork server so each rank starts in ~0.1 s instead of re-importing torch and
-# Megatron (~9 CPU-s on these machines); quiet_imports first, so its warning filters cover those imports.
-# megatron.training too: pretrain_moe's ranks run its loop and checkpointing (1 CPU-s more per rank).
-# warm_ranks last: the start-up work every rank would repeat (its parser, lazy imports; ~0.7 CPU-s).
-PRELOAD = ["megatron_hybridep.train.quiet_imports", "torch", "torch.distributed",
-           "megatron.core.transformer.moe.moe_layer", "megatron.core.models.gpt.gpt_model",
-           "megatron.core.distributed", "megatron.core.optimizer", "megatron.training.training",
-           "megatron_hybridep.train.warm_ranks"]
+from megatron_hybridep.train.rank_imports import PRELOAD
 
 _SLOTS = 4  # per rank: progress beats, iteration, median step seconds, predicted step seconds
 _PHASE = 32  # bytes of phase text per rank

@@ -26,6 +26,7 @@ from testbed_helpers import REPO, leftovers, why_not_root_capable
 
 from megatron_hybridep.testbed import Testbed, TestbedConfig, netns
 from megatron_hybridep.testbed.launcher import launch_elastic, python_cmd
+from megatron_hybridep.train.rank_imports import PRELOAD
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +62,7 @@ def _run(prefix: str, args: list, fault=None, timeout_s: float = 90):  # noqa: A
     with Testbed(TestbedConfig(dcs=2, ranks_per_dc=1, rate_mbit=None, prefix=prefix)) as tb:
         # not fail-fast: each rank's own reaction to the fault is what is tested
         group = tb.start(python_cmd(REPO / "pretrain_moe.py", *args), timeout_s=timeout_s, cwd=REPO,
-                         fail_fast=False)
+                         fail_fast=False, preload=PRELOAD)
         detect = None
         with group:
             if fault is not None:
@@ -220,7 +221,7 @@ def test_outage_longer_than_the_timeout_restarts_by_itself_with_the_same_losses(
     with Testbed(TestbedConfig(dcs=2, ranks_per_dc=1, rate_mbit=None, prefix=prefix)) as tb:
         try:
             run = launch_elastic(tb, python_cmd(REPO / "pretrain_moe.py", *flags), max_restarts=1,
-                                 on_start=on_start, timeout_s=120 + outage_s, cwd=REPO)
+                                 on_start=on_start, timeout_s=120 + outage_s, cwd=REPO, preload=PRELOAD)
         finally:
             for timer in heal:
                 timer.join()

@@ -26,10 +26,16 @@ def tb(prefix):
     assert leftovers(prefix) == []
 
 
-def test_gloo_all_reduce_across_dc_namespaces(tb, tmp_path):
+# cold: `ip netns exec ... timeout ... python`; warm: forked from the warm host (testbed/warm_host.py)
+@pytest.fixture(params=["cold", "warm"])
+def preload(request):
+    return [] if request.param == "cold" else ["torch", "torch.distributed"]
+
+
+def test_gloo_all_reduce_across_dc_namespaces(tb, tmp_path, preload):
     stream = io.StringIO()
     result = tb.launch([sys.executable, HERE / "gloo_allreduce.py"], timeout_s=90, stream=stream,
-                       log_dir=tmp_path)
+                       log_dir=tmp_path, preload=preload)
     assert result.ok, result.outputs
     assert result.returncodes == [0, 0, 0, 0]
     for r in range(4):
@@ -48,16 +54,16 @@ def test_gloo_all_reduce_across_dc_namespaces(tb, tmp_path):
 
 ENV_DUMP = (
     "import json, os; keys = ['MASTER_ADDR', 'MASTER_PORT', 'RANK', 'WORLD_SIZE', 'LOCAL_RANK', "
-    "'LOCAL_WORLD_SIZE', 'GLOO_SOCKET_IFNAME', 'HYBRIDEP_DC', 'HYBRIDEP_NUM_DCS', 'USER_VAR', 'PER_RANK']; "
+    "'LOCAL_WORLD_SIZE', 'GLOO_SOCKET_IFNAME', 'HYBRIDEP_DC', 'HYBRIDEP_NUM_DCS', 'USER_VAR', 'HYBRIDEP_PER_RANK']; "
     "print(json.dumps({k: os.environ.get(k) for k in keys}))"
 )
 
 
-def test_rank_environment_and_user_env(tb):
+def test_rank_environment_and_user_env(tb, preload):
     result = tb.launch(
         lambda info: [sys.executable, "-c", ENV_DUMP],
-        env=lambda info: {"USER_VAR": "x", "PER_RANK": f"p{info.rank}"},
-        timeout_s=30,
+        env=lambda info: {"USER_VAR": "x", "HYBRIDEP_PER_RANK": f"p{info.rank}"},
+        timeout_s=30, preload=preload,
     ).raise_for_status()
     envs = [json.loads(out) for out in result.outputs]
     ports = {e["MASTER_PORT"] for e in envs}
@@ -66,7 +72,7 @@ def test_rank_environment_and_user_env(tb):
         assert e == {
             "MASTER_ADDR": "10.77.0.1", "MASTER_PORT": e["MASTER_PORT"], "RANK": str(r), "WORLD_SIZE": "4",
             "LOCAL_RANK": str(r % 2), "LOCAL_WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "wan0",
-            "HYBRIDEP_DC": str(r // 2), "HYBRIDEP_NUM_DCS": "2", "USER_VAR": "x", "PER_RANK": f"p{r}",
+            "HYBRIDEP_DC": str(r // 2), "HYBRIDEP_NUM_DCS": "2", "USER_VAR": "x", "HYBRIDEP_PER_RANK": f"p{r}",
         }
 
 
@@ -80,8 +86,9 @@ TREE = (
 )
 
 
-def test_timeout_kills_the_whole_process_tree(tb):
-    group = tb.start([sys.executable, "-c", TREE], timeout_s=2)
+def test_timeout_kills_the_whole_process_tree(tb, preload):
+    tb.launch([sys.executable, "-c", "pass"], preload=preload, timeout_s=60)  # the warm host's imports: not timed
+    group = tb.start([sys.executable, "-c", TREE], timeout_s=2, preload=preload)
     assert group.wait_output("^tree ", timeout_s=30)
     pids = [int(p) for r in range(4) for p in group.output(r).split()[1:3]]
     assert all(pid_alive(p) for p in pids)
@@ -97,9 +104,9 @@ def test_timeout_kills_the_whole_process_tree(tb):
     assert not any(pid_alive(p) for p in pids)
 
 
-def test_fail_fast_ends_the_other_ranks(tb):
+def test_fail_fast_ends_the_other_ranks(tb, preload):
     code = "import os, signal, sys\nif os.environ['RANK'] == '1': sys.exit(3)\nsignal.pause()\n"
-    result = tb.launch([sys.executable, "-c", code], timeout_s=60)
+    result = tb.launch([sys.executable, "-c", code], timeout_s=60, preload=preload)
     assert not result.timed_out
     assert result.returncodes[1] == 3
     assert all(result.returncodes[r] == -signal.SIGTERM for r in (0, 2, 3)), result.returncodes

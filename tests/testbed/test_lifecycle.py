@@ -85,7 +85,7 @@ import json, sys
 from megatron_hybridep.testbed.network import Testbed
 tb = Testbed(dcs=2, ranks_per_dc=2, rate_mbit=100, prefix={prefix!r}).__enter__()
 sleeper = "import os, time; print('alive', os.getpid(), flush=True); time.sleep(120)"
-group = tb.start([sys.executable, "-c", sleeper], timeout_s=120)
+group = tb.start([sys.executable, "-c", sleeper], timeout_s=120, preload={preload!r})
 assert group.wait_output("alive", timeout_s=30)
 pids = [int(group.output(r).split()[1]) for r in range(4)]
 print("PIDS", json.dumps(pids), flush=True)
@@ -93,9 +93,10 @@ import signal; signal.pause()
 """
 
 
-@pytest.mark.parametrize("cleanup", ["cli-down", "reap-stale"])
-def test_sigkilled_run_is_cleaned_by_next_cleanup(prefix, cleanup, capsys):
-    proc = spawn_python(KILLED_OWNER.format(prefix=prefix))
+@pytest.mark.parametrize(("cleanup", "preload"), [("cli-down", []), ("reap-stale", []), ("cli-down", ["json"])])
+def test_sigkilled_run_is_cleaned_by_next_cleanup(prefix, cleanup, preload, capsys):
+    """preload: the ranks forked from the warm host, which ends with its owner and leaves them running."""
+    proc = spawn_python(KILLED_OWNER.format(prefix=prefix, preload=preload))
     pids = json.loads(read_until(proc, r"PIDS (.*)").group(1))
     proc.kill()  # SIGKILL: no handler, no atexit, no teardown
     proc.wait(timeout=10)
