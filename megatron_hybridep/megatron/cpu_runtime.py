@@ -8,6 +8,10 @@ available. No Megatron function body is copied or rewritten; a few functions are
 tensor type names the optimizers test for, the GPU-architecture query of argument validation, the
 CUDA RNG state accessors, split sizes for all_to_all, and gradient clipping's CUDA type assertion.
 One change is gloo's, not CUDA's: pipeline sends post their receives first (``recvs_first``).
+One is for start-up cost only: TorchDynamo is off while the patches are active (``_EAGER``), so the
+functions Megatron wraps with ``jit_fuser`` (torch.compile) run eagerly. On CPU each rank would
+otherwise trace and build them again (~0.3-0.5 CPU-s per rank; tests/matrix 508 -> 417 CPU-s) for
+functions this small; compiled or not, they differ only in rounding, the same on every rank.
 
 Checked against megatron-core 0.19.2 (the version in requirements.lock); the supported range is
 megatron_hybridep.megatron.compat.SUPPORTED. Each entry names the upstream functions it affects.
@@ -587,6 +591,9 @@ def _owner(patch: _FunctionPatch) -> tuple[Any, str]:
         owner = getattr(owner, part)
     return owner, name
 
+_EAGER = ("torch._dynamo.config", "disable")  # set True while enabled: no torch.compile on CPU ranks
+
+
 def _patches() -> CpuPatches:
     return process_context().cpu_patches
 
@@ -625,6 +632,9 @@ def enable(force: bool = False) -> bool:
             original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
             saved.append((owner, name, original))
             setattr(owner, name, patch.replacement(original))
+        dynamo_config = importlib.import_module(_EAGER[0])
+        saved.append((dynamo_config, _EAGER[1], getattr(dynamo_config, _EAGER[1])))
+        setattr(dynamo_config, _EAGER[1], True)
         _reset_rng_tracker()
         return True
 
@@ -648,4 +658,5 @@ def _reset_rng_tracker() -> None:
 
 def patched_modules() -> dict[str, str]:
     """Module -> upstream functions affected (for docs and the closing note)."""
-    return _module_shims() | {f"{p.module}.{p.attr}": p.upstream for p in _function_patches()}
+    return (_module_shims() | {f"{p.module}.{p.attr}": p.upstream for p in _function_patches()}
+            | {".".join(_EAGER): "megatron.core.jit.jit_fuser (torch.compile): its functions run eagerly"})

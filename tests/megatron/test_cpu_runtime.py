@@ -38,6 +38,23 @@ def test_enable_twice_is_harmless_and_disable_restores(clean_runtime):
     assert importlib.import_module("megatron.core.optimizer.optimizer").clip_grad_by_total_norm_fp32 is clip
 
 
+def test_megatron_jit_fused_functions_run_eagerly_while_enabled(clean_runtime):
+    from megatron.core.jit import jit_fuser
+    from torch._dynamo.utils import counters
+
+    @jit_fuser
+    def fused(x):
+        return torch.nn.functional.gelu(x) * 2
+
+    x = torch.ones(4)
+    cpu_runtime.enable()
+    before = sum(counters["frames"].values())
+    assert torch.equal(fused(x), torch.nn.functional.gelu(x) * 2)
+    assert sum(counters["frames"].values()) == before  # nothing traced
+    cpu_runtime.disable()
+    assert torch._dynamo.config.disable is False
+
+
 def test_shim_maps_cuda_devices_to_cpu(clean_runtime):
     cpu_runtime.enable()
     shim = importlib.import_module("megatron.core.optimizer.grad_scaler").torch
