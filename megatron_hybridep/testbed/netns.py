@@ -212,6 +212,16 @@ def reap_stale() -> list[str]:
 # ------------------------------------------------------------------------ code inside a netns
 
 
+def enter_netns(name: str) -> None:
+    """Move the calling thread (a whole process, if it has one thread) into namespace `name`;
+    FileNotFoundError when it does not exist."""
+    fd = os.open(NETNS_DIR / name, os.O_RDONLY)
+    try:
+        os.setns(fd, os.CLONE_NEWNET)
+    finally:
+        os.close(fd)
+
+
 def in_netns[T](name: str, fn: Callable[[], T], timeout_s: float = 10.0) -> T:
     """Run fn in a short-lived thread that has joined namespace `name`; return its result.
 
@@ -223,14 +233,10 @@ def in_netns[T](name: str, fn: Callable[[], T], timeout_s: float = 10.0) -> T:
     def target() -> None:
         try:
             try:
-                fd = os.open(NETNS_DIR / name, os.O_RDONLY)
+                enter_netns(name)
             except FileNotFoundError:
                 box["missing"] = True
                 return
-            try:
-                os.setns(fd, os.CLONE_NEWNET)
-            finally:
-                os.close(fd)
             box["value"] = fn()
         except BaseException as exc:  # handed to the caller
             box["error"] = exc

@@ -36,7 +36,8 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import BinaryIO
 
-NETNS_DIR = "/run/netns"  # as netns.NETNS_DIR (not imported: the host imports nothing of ours first)
+from megatron_hybridep.testbed.netns import enter_netns
+
 MAX_HOSTS = 2  # hosts kept per process (each holds torch and Megatron: ~1 GB)
 
 
@@ -278,11 +279,7 @@ def _rank(conn: Connection, out_fd: int, argv: list[str], env: dict[str, str], c
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         conn.close()
-        ns = os.open(os.path.join(NETNS_DIR, netns), os.O_RDONLY)
-        try:
-            os.setns(ns, os.CLONE_NEWNET)
-        finally:
-            os.close(ns)
+        enter_netns(netns)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
@@ -296,7 +293,8 @@ def _rank(conn: Connection, out_fd: int, argv: list[str], env: dict[str, str], c
         for stream in (sys.stdout, sys.stderr):  # the same objects (loggers made at import hold them), now on the pipe
             stream.reconfigure(line_buffering=True, write_through=True)
         signal.alarm(alarm_s)
-        code = _run(argv[1:])
+        _run(argv[1:])
+        code = 0
     except SystemExit as exc:
         code = _exit_code(exc)
     except BaseException:
@@ -313,28 +311,24 @@ def _rank(conn: Connection, out_fd: int, argv: list[str], env: dict[str, str], c
         os._exit(code)
 
 
-def _run(args: list[str]) -> int:
-    """What `python <args>` runs, in this process; its exit code."""
+def _run(args: list[str]) -> None:
+    """What `python <args>` runs, in this process (its SystemExit propagates)."""
     import runpy
 
-    try:
-        if args[0] == "-c":
-            sys.argv = ["-c", *args[2:]]
-            sys.path[0] = ""
-            main = types.ModuleType("__main__")
-            sys.modules["__main__"] = main
-            exec(compile(args[1], "<string>", "exec"), main.__dict__)  # noqa: S102 - the launcher's own command
-        elif args[0] == "-m":
-            sys.argv = [args[1], *args[2:]]
-            sys.path[0] = os.getcwd()
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(args)
-            sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
-            runpy.run_path(args[0], run_name="__main__")
-    except SystemExit as exc:
-        return _exit_code(exc)
-    return 0
+    if args[0] == "-c":
+        sys.argv = ["-c", *args[2:]]
+        sys.path[0] = ""
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(args[1], "<string>", "exec"), main.__dict__)  # noqa: S102 - the launcher's own command
+    elif args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(args)
+        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+        runpy.run_path(args[0], run_name="__main__")
 
 
 def _exit_code(exc: SystemExit) -> int:
