@@ -92,6 +92,10 @@ def testbed_flags(p: argparse.ArgumentParser, rate: float) -> None:
     p.add_argument("--queue-ms", type=float, default=0.0,
                    help="queue before each uplink's rate limit as ms at the rate, e.g. 50 (a shallow-buffer link); "
                         "default 0: the kernel's 1000 packets")
+    p.add_argument("--burst-ms", type=float, default=None,
+                   help="HTB bucket of each uplink as ms at the rate, e.g. 1 (a link that banks no idle time, as "
+                        "`hybridep bench` shapes it); default: >= 70 KB, which lets the first 70 KB after an idle gap "
+                        "pass unshaped (the runs recorded before 2026-11-28 afternoon)")
     p.add_argument("--congestion", default="reno",
                    help="TCP congestion control inside the DCs (default reno); host: the host's default (BBR here), "
                         "which the runs recorded before 2026-11-27 had")
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     print("# " + " ".join([sys.executable, *sys.argv]), flush=True)
     runs: dict[str, list[dict]] = {s: [] for s in table}
     with Testbed(TestbedConfig(dcs=args.dcs, ranks_per_dc=args.ranks_per_dc, rate_mbit=args.rate,
-                               queue_ms=args.queue_ms, congestion=args.congestion)) as tb:
+                               queue_ms=args.queue_ms, burst_ms=args.burst_ms, congestion=args.congestion)) as tb:
         print("# " + tb.describe(), flush=True)
         for r in range(args.repeats):
             for s in (list(table) if r % 2 == 0 else list(table)[::-1]):

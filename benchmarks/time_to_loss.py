@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
     runs: dict[str, list] = {s: [] for s in table}
     with Testbed(TestbedConfig(dcs=args.dcs, ranks_per_dc=args.ranks_per_dc, rate_mbit=args.rate,
-                               queue_ms=args.queue_ms, congestion=args.congestion)) as tb:
+                               queue_ms=args.queue_ms, burst_ms=args.burst_ms, congestion=args.congestion)) as tb:
         print("# " + tb.describe(), flush=True)
         for r in range(args.repeats):
             for s in (list(table) if r % 2 == 0 else list(table)[::-1]):

@@ -12,7 +12,9 @@ Encode semantics (both backends, bit for bit):
     sel  = {i: mag_i > T}  plus the lowest-index  k - #{mag > T}  entries with mag_i == T
 The k selected entries are written in ascending index order; the index space is split into
 blocks of 2**block_bits elements and each entry stores its offset inside its block
-(``offsets``), ``counts[b]`` holding how many entries block b has. ``values`` holds r at the
+(``offsets``), ``counts[b]`` holding how many entries block b has. block_bits = 3 (BITMAP_BITS)
+is the bitmap: ``counts[b]`` is block b's byte (bit j set: element 8b + j kept) and ``offsets``
+is empty; it runs through the torch ops on every device (no Triton kernel). ``values`` holds r at the
 selected entries, rounded to the values' dtype (round-to-nearest-even).
 
 Decode semantics: ``out = base + alpha * scatter(values)`` computed in float32 and rounded to
@@ -32,9 +34,16 @@ import torch
 Backend = Literal["auto", "torch", "triton"]
 
 # Offset/count dtypes the kernels accept, by block_bits (their sizes: plan/wire.py INDEX_BYTES).
-OFFSET_DTYPES = {8: torch.uint8, 16: torch.uint16, 32: torch.int32}
-COUNT_DTYPES = {8: torch.uint16, 16: torch.int32, 32: torch.int32}
+BITMAP_BITS = 3  # blocks of 8: counts are bitmap bytes, no offsets (OFFSET_DTYPES[3]: the empty tensor's)
+OFFSET_DTYPES = {BITMAP_BITS: torch.uint8, 8: torch.uint8, 16: torch.uint16, 32: torch.int32}
+COUNT_DTYPES = {BITMAP_BITS: torch.uint8, 8: torch.uint16, 16: torch.int32, 32: torch.int32}
+
 VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def offsets_per_entry(block_bits: int) -> int:
+    """Offsets stored per kept entry: 1, or 0 for the bitmap."""
+    return 0 if block_bits == BITMAP_BITS else 1
 
 
 @functools.cache
@@ -82,7 +91,8 @@ def _check_encode(weight: torch.Tensor, shared: torch.Tensor | None, k: int, blo
         raise ValueError("tensors of 2**31 elements or more are not supported")
     if shared is not None and shared.numel() != n:
         raise ValueError(f"shared has {shared.numel()} elements, weight has {n}")
-    if values.numel() != k or offsets.numel() != k or counts.numel() != _nblocks(n, block_bits):
+    if values.numel() != k or offsets.numel() != k * offsets_per_entry(block_bits) \
+            or counts.numel() != _nblocks(n, block_bits):
         raise ValueError("values/offsets/counts have the wrong sizes for this k and block_bits")
     if offsets.dtype != OFFSET_DTYPES[block_bits] or counts.dtype != COUNT_DTYPES[block_bits]:
         raise ValueError(f"block_bits={block_bits} needs offsets {OFFSET_DTYPES[block_bits]}, "
@@ -138,7 +148,12 @@ def residual_topk_encode_torch(weight: torch.Tensor, shared: torch.Tensor | None
             sel[ties[ties.numel() - surplus:]] = False
         idx = torch.nonzero_static(sel, size=k).squeeze(1)
     values.copy_(r[idx])
-    if block_bits >= 32:
+    if block_bits == BITMAP_BITS:
+        kept = torch.zeros(counts.numel() * 8, dtype=torch.uint8, device=r.device)
+        kept[idx] = 1
+        shifts = torch.arange(8, dtype=torch.uint8, device=r.device)
+        counts.copy_((kept.view(-1, 8) << shifts).sum(1, dtype=torch.uint8))  # distinct bits: the sum is an OR
+    elif block_bits >= 32:
         offsets.copy_(idx)
         counts.fill_(k)
     else:
@@ -182,14 +197,15 @@ def residual_topk_encode_rows(weight: torch.Tensor, shared: torch.Tensor | None,
     rows, n = weight.shape
     if shared is not None and shared.shape not in ((rows, n), (n,)):
         raise ValueError(f"shared must be [{rows}, {n}] or [{n}], got {tuple(shared.shape)}")
-    for name, t, cols in (("values", values, k), ("offsets", offsets, k), ("counts", counts, _nblocks(n, block_bits))):
-        if t.shape != (rows, cols) or t.stride(1) != 1:
+    for name, t, cols in (("values", values, k), ("offsets", offsets, k * offsets_per_entry(block_bits)),
+                          ("counts", counts, _nblocks(n, block_bits))):
+        if t.shape != (rows, cols) or (cols > 1 and t.stride(1) != 1):
             raise ValueError(f"{name} must be [{rows}, {cols}] with contiguous rows, got {tuple(t.shape)}")
     _check_encode(weight[0], None if shared is None else shared.reshape(-1, n)[0], k, block_bits,
                   values[0], offsets[0], counts[0])
     if first_hists is not None and (first_hists.shape != (rows, 256) or first_hists.dtype != torch.int32):
         raise ValueError(f"first_hists must be int32[{rows}, 256], got {first_hists.dtype}{tuple(first_hists.shape)}")
-    if _pick(backend, weight) == "triton":
+    if block_bits != BITMAP_BITS and _pick(backend, weight) == "triton":
         from megatron_hybridep.kernels import _codec_triton
 
         _codec_triton.residual_topk_encode_rows(weight, shared, k, block_bits, values, offsets, counts,
@@ -200,8 +216,16 @@ def residual_topk_encode_rows(weight: torch.Tensor, shared: torch.Tensor | None,
         residual_topk_encode_torch(weight[r], s, k, block_bits, values[r], offsets[r], counts[r])
 
 
-def absolute_indices(offsets: torch.Tensor, counts: torch.Tensor, block_bits: int) -> torch.Tensor:
-    """int64 absolute positions of the encoded entries (ascending)."""
+def absolute_indices(offsets: torch.Tensor, counts: torch.Tensor, block_bits: int,
+                     k: int | None = None) -> torch.Tensor:
+    """int64 absolute positions of the encoded entries (ascending). ``k``: the entries' count,
+    needed for the bitmap (whose offsets are empty)."""
+    if block_bits == BITMAP_BITS:
+        if k is None:
+            raise ValueError("a bitmap's entries need k (the values' count)")
+        shifts = torch.arange(8, dtype=torch.uint8, device=counts.device)
+        kept = (counts.reshape(-1, 1) >> shifts) & 1
+        return torch.nonzero_static(kept.reshape(-1), size=k).squeeze(1)  # static size: no device sync
     if block_bits >= 32:
         return offsets.long()
     nb = counts.numel()
@@ -216,7 +240,8 @@ def _check_decode(base: torch.Tensor | None, values: torch.Tensor, offsets: torc
         raise ValueError(f"block_bits must be one of {sorted(OFFSET_DTYPES)}, got {block_bits}")
     if base is not None and base.numel() != out.numel():
         raise ValueError(f"base has {base.numel()} elements, out has {out.numel()}")
-    if values.numel() != offsets.numel() or counts.numel() != _nblocks(out.numel(), block_bits):
+    if values.numel() * offsets_per_entry(block_bits) != offsets.numel() \
+            or counts.numel() != _nblocks(out.numel(), block_bits):
         raise ValueError("values/offsets/counts sizes do not match out and block_bits")
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
@@ -231,7 +256,7 @@ def sparse_residual_decode_torch(base: torch.Tensor | None, values: torch.Tensor
     round(float32(base) + alpha * value) or round(float32(base)), exactly as the Triton kernel.
     """
     flat = out.view(-1)
-    idx = absolute_indices(offsets, counts, block_bits)
+    idx = absolute_indices(offsets, counts, block_bits, values.numel())
     if base is None:
         kept = torch.zeros(idx.numel(), dtype=torch.float32, device=out.device)
         flat.zero_()
@@ -255,7 +280,7 @@ def sparse_residual_decode(base: torch.Tensor | None, values: torch.Tensor, offs
     Returns out.
     """
     _check_decode(base, values, offsets, counts, block_bits, out)
-    if _pick(backend, out) == "triton":
+    if block_bits != BITMAP_BITS and _pick(backend, out) == "triton":
         from megatron_hybridep.kernels import _codec_triton
 
         return _codec_triton.sparse_residual_decode(base, values, offsets, counts, block_bits, out, alpha)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
-from megatron_hybridep.kernels.codec import Backend, _pick, sparse_residual_decode_torch
+from megatron_hybridep.kernels.codec import BITMAP_BITS, Backend, _pick, offsets_per_entry, sparse_residual_decode_torch
 
 
 def adamw_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> dict:
@@ -128,11 +128,12 @@ def decode_rows(base: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
     rows, n = out.shape
     if base.shape != out.shape or not base.is_contiguous() or not out.is_contiguous():
         raise ValueError(f"base and out must be contiguous [rows, n], got {tuple(base.shape)}, {tuple(out.shape)}")
-    if values.shape[0] != rows or offsets.shape != values.shape or counts.shape[0] != rows:
+    if values.shape[0] != rows or counts.shape[0] != rows \
+            or offsets.shape != (rows, values.shape[1] * offsets_per_entry(block_bits)):
         raise ValueError("values, offsets and counts need one row per output row")
     if shift is not None and (shift.numel() != n or shift.dtype != base.dtype):
         raise ValueError(f"shift must have {n} elements of {base.dtype}")
-    if _pick(backend, out) == "triton":
+    if block_bits != BITMAP_BITS and _pick(backend, out) == "triton":  # the bitmap has no Triton kernel
         from megatron_hybridep.kernels._codec_triton import TILE
 
         from megatron_hybridep.kernels import _fused_triton

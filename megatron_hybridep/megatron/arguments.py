@@ -98,7 +98,8 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "cost grew with that share (+1.0%% at 2 ranks, +2.6%% at 4; docs/compression.md)")
     g.add_argument("--hybridep-grad-compression-values", choices=tuple(GRAD_VALUE_BYTES), default="bf16",
                    help="kept values of compressed returned gradients: bf16 (default: error feedback keeps the "
-                        "rounding, so nothing is lost; 3 bytes per kept value with its index instead of 5 for fp32) "
+                        "rounding, so nothing is lost; 2 bytes per kept value instead of 4, plus the index: at 4x a "
+                        "bitmap, half a byte per kept value) "
                         "or same (the gradient's own dtype)")
     g.add_argument("--hybridep-grad-compression-warmup", type=_count, default=0, metavar="STEPS",
                    help="returned gradients start exact and reach --hybridep-grad-compression-ratio after STEPS "

@@ -13,9 +13,14 @@ boundary (payloads concatenate in one buffer and still view as typed tensors):
 Index schemes (the cheapest for (numel, k) is chosen; padding counted):
 
     scheme   block     offset   count   index bytes
-    BLOCK8   2**8      1 byte   2 bytes  k + 2*ceil(n/256)      cheapest for element ratio < 128
+    BITMAP   2**3      -        1 byte   ceil(n/8)              cheapest for element ratio < ~8.5
+    BLOCK8   2**8      1 byte   2 bytes  k + 2*ceil(n/256)      ratio ~8.5 .. 128
     BLOCK16  2**16     2 bytes  4 bytes  2k + 4*ceil(n/65536)   ratio 128 .. ~32768
     FLAT32   1 block   4 bytes  4 bytes  4k + 4                 only for absurd ratios
+
+BITMAP's "count" of a block of 8 elements is its bitmap byte (bit j: element 8b + j is kept) and it
+has no offsets: at the 4x of the default returned gradients its index is n/8 bytes against BLOCK8's
+~n/4 + n/128, the same kept entries 17.5% smaller with bf16 values.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ ALIGN = 16  # every section starts at a 16-byte boundary
 
 class IndexScheme(enum.Enum):
     DENSE = 0
+    BITMAP = 3
     BLOCK8 = 8
     BLOCK16 = 16
     FLAT32 = 32
@@ -45,9 +51,10 @@ class IndexBytes(NamedTuple):
     count: int   # one entry count per block
 
 
-INDEX_BYTES = {IndexScheme.BLOCK8: IndexBytes(1, 2), IndexScheme.BLOCK16: IndexBytes(2, 4),
-               IndexScheme.FLAT32: IndexBytes(4, 4)}
-SPARSE_SCHEMES = (IndexScheme.BLOCK8, IndexScheme.BLOCK16, IndexScheme.FLAT32)  # ties keep the smaller block
+INDEX_BYTES = {IndexScheme.BITMAP: IndexBytes(0, 1), IndexScheme.BLOCK8: IndexBytes(1, 2),
+               IndexScheme.BLOCK16: IndexBytes(2, 4), IndexScheme.FLAT32: IndexBytes(4, 4)}
+SPARSE_SCHEMES = (IndexScheme.BITMAP, IndexScheme.BLOCK8, IndexScheme.BLOCK16,
+                  IndexScheme.FLAT32)  # ties keep the smaller block
 
 
 def align(x: int) -> int:
@@ -84,6 +91,11 @@ class WireLayout:
     @property
     def nblocks(self) -> int:
         return nblocks(self.numel, self.scheme)
+
+    @property
+    def noffsets(self) -> int:
+        """Block-local offsets stored: one per kept entry (none for DENSE and BITMAP)."""
+        return 0 if self.dense or INDEX_BYTES[self.scheme].offset == 0 else self.k
 
     @property
     def values_at(self) -> int:

@@ -7,8 +7,8 @@ from the per-block counts (entries are stored in index order). At the ratios tha
 (10x-100x) BLOCK8 costs k + n/128 bytes of index, vs 4k for int32 indices: at 50x that is
 1.39 bytes per kept entry instead of 4 (the entropy of a random 1-in-50 subset is ~0.88 bytes
 per entry, so little is left on the table), and decoding stays fully parallel (one 256-element
-tile per program, no prefix scan over the whole tensor). A bitmap (n/8 bytes) would beat BLOCK8
-only below ratio ~8.5; not implemented.
+tile per program, no prefix scan over the whole tensor). Below ratio ~8.5 a bitmap (n/8 bytes,
+IndexScheme.BITMAP) is smaller: the default returned gradients at 4x use it (torch ops only).
 
 Ratios: ``ratio`` is an element ratio by default: k = max(1, floor(numel / ratio)), the kept
 fraction being 1/ratio. The byte ratio (dense bytes / payload bytes) is lower because indices cost
@@ -31,6 +31,7 @@ from megatron_hybridep.kernels.codec import (
     OFFSET_DTYPES,
     VALUE_DTYPES,
     Backend,
+    offsets_per_entry,
     residual_topk_encode,
     residual_topk_encode_rows,
     sparse_residual_decode,
@@ -40,7 +41,8 @@ from megatron_hybridep.plan.wire import ALIGN, IndexScheme, RatioOf, k_for_ratio
 
 # the kernels' index dtypes must be the sizes the wire format counts (and the planner prices)
 for _s, _b in wire.INDEX_BYTES.items():
-    if (OFFSET_DTYPES[_s.block_bits].itemsize, COUNT_DTYPES[_s.block_bits].itemsize) != _b:
+    _bits = _s.block_bits
+    if (OFFSET_DTYPES[_bits].itemsize * offsets_per_entry(_bits), COUNT_DTYPES[_bits].itemsize) != _b:
         raise ImportError(f"kernels/codec.py index dtypes for {_s.name} disagree with plan/wire.py INDEX_BYTES; "
                           "fix: change both together")
 
@@ -82,6 +84,7 @@ class PayloadLayout:
 
     # the wire layout's sizes and offsets, read through
     nblocks = _from_wire("nblocks")
+    noffsets = _from_wire("noffsets")
     values_at = _from_wire("values_at")
     counts_at = _from_wire("counts_at")
     offsets_at = _from_wire("offsets_at")
@@ -138,7 +141,7 @@ def unpack(payload: torch.Tensor, layout: PayloadLayout) -> Sections:
     return Sections(
         values=view(layout.values_at, layout.k, layout.value_dtype),
         counts=view(layout.counts_at, layout.nblocks, layout.count_dtype),
-        offsets=view(layout.offsets_at, layout.k, layout.offset_dtype),
+        offsets=view(layout.offsets_at, layout.noffsets, layout.offset_dtype),
     )
 
 
@@ -151,7 +154,7 @@ def _zero_padding(payload: torch.Tensor, layout: PayloadLayout) -> None:
         return
     payload[..., layout.k * isz: layout.counts_at].zero_()
     payload[..., layout.counts_at + layout.nblocks * _itemsize(layout.count_dtype): layout.offsets_at].zero_()
-    payload[..., layout.offsets_at + layout.k * _itemsize(layout.offset_dtype):].zero_()
+    payload[..., layout.offsets_at + layout.noffsets * _itemsize(layout.offset_dtype):].zero_()
 
 
 def _row_sections(payloads: torch.Tensor, layout: PayloadLayout) -> Sections:
@@ -162,7 +165,7 @@ def _row_sections(payloads: torch.Tensor, layout: PayloadLayout) -> Sections:
         return payloads[:, at:at + count * _itemsize(dtype)].view(dtype)
 
     return Sections(values=cols(layout.values_at, layout.k, layout.value_dtype),
-                    offsets=cols(layout.offsets_at, layout.k, layout.offset_dtype),
+                    offsets=cols(layout.offsets_at, layout.noffsets, layout.offset_dtype),
                     counts=cols(layout.counts_at, layout.nblocks, layout.count_dtype))
 
 

@@ -44,10 +44,11 @@ def test_histogram_counts_the_top_digit_of_the_residual():
     assert torch.equal(h[0], want) and int(h.sum()) == 4
 
 
+@pytest.mark.parametrize("ratio", [20, 4])  # BLOCK8, and the bitmap (torch ops on every backend)
 @pytest.mark.parametrize("shifted", [False, True])
-def test_decode_rows_equals_the_unfused_decode_on_cpu(shifted):
+def test_decode_rows_equals_the_unfused_decode_on_cpu(shifted, ratio):
     torch.manual_seed(1)
-    codec = SharedResidualCodec(20)
+    codec = SharedResidualCodec(ratio)
     copies = torch.randn(3, 4000).to(torch.bfloat16)
     shift = (torch.randn(4000) * 0.01).to(torch.bfloat16) if shifted else None
     rebased = copies if shift is None else copies + shift

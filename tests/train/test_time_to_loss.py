@@ -95,3 +95,21 @@ def test_model_flags_follow_the_models_own(ttl, monkeypatch):
     model_end = cmd.index(ttl.MODEL[-1]) + 1
     assert cmd[model_end:model_end + 4] == ["--hidden-size", "32", "--micro-batch-size", "8"]  # later flags win
     assert cmd[-2:] == ["--expert-model-parallel-size", "4"]
+
+
+@pytest.mark.parametrize(("flags", "burst"), [([], None), (["--burst-ms", "1"], 1.0)])
+def test_the_links_burst_reaches_the_testbed(ttl, monkeypatch, tmp_path, flags, burst):
+    """--burst-ms shapes the uplinks as `hybridep bench` does (a link that banks no idle time);
+    without it the testbed's default bucket (>= 70 KB) stays, as in the runs recorded before."""
+    import megatron_hybridep.testbed as testbed
+
+    seen = {}
+
+    def fake(config):
+        seen["config"] = config
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(testbed, "Testbed", fake)
+    with pytest.raises(RuntimeError, match="stop here"):
+        ttl.main([*flags, "--data-path", "x", "--out", str(tmp_path)])
+    assert seen["config"].burst_ms == burst and seen["config"].rate_mbit == 50.0

@@ -18,7 +18,7 @@ def test_off_is_exact_and_stateless():
     assert torch.equal(acc, (1 + g.float()).to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("ratio", [1.0, 1.2])
+@pytest.mark.parametrize("ratio", [1.0, 1.05])  # 1.05: bf16 values and a bitmap would not be smaller
 def test_a_dense_payload_is_the_gradient_itself_whatever_the_value_dtype(ratio):
     """bf16 values are for sparse payloads, whose rounding the feedback keeps; a dense one (ratio 1,
     or sparse not smaller) has no feedback, so it carries the fp32 gradient, exact."""
@@ -30,18 +30,19 @@ def test_a_dense_payload_is_the_gradient_itself_whatever_the_value_dtype(ratio):
         ErrorFeedbackTopK(4).nbytes(1000, torch.float32)
 
 
+@pytest.mark.parametrize("ratio", [20, 4])  # BLOCK8 indices; the bitmap (the default returns' 4x)
 @pytest.mark.parametrize("dtype,vdt", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)])
-def test_error_feedback_nothing_is_lost(dtype, vdt):
+def test_error_feedback_nothing_is_lost(dtype, vdt, ratio):
     """sum(sent) + residual == sum(grads): the dropped part is delayed, never lost."""
     torch.manual_seed(0)
     n, steps = 2000, 60
-    ef = ErrorFeedbackTopK(20, value_dtype=vdt)
+    ef = ErrorFeedbackTopK(ratio, value_dtype=vdt)
     sent = torch.zeros(n)
     true = torch.zeros(n)
     for _ in range(steps):
         g = torch.randn(n).to(dtype)
         p = ef.compress("e0", g)
-        assert p.numel() == ef.nbytes(n, dtype) < n * g.element_size() / 4
+        assert p.numel() == ef.nbytes(n, dtype) < n * g.element_size() / min(ratio, 4) * 1.5
         ef.decompress(p, out=sent, src_dtype=dtype, accumulate=True)
         true += g.float()
     # elementwise float32 only: each of the 2 running sums rounds by <= half an ulp per step

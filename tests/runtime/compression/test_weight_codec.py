@@ -14,6 +14,7 @@ from megatron_hybridep.runtime.compression import (
     SharedResidualCodec,
     TopKCodec,
     decode,
+    decode_into,
     encode,
     encoded_nbytes,
     k_for_ratio,
@@ -53,8 +54,9 @@ def test_ratio_one_is_dense_and_bit_exact(dtype):
 
 
 def test_ratios_that_do_not_pay_fall_back_to_dense():
-    # bf16 values + uint8 offsets: 1.5x element ratio would cost more than dense.
-    assert plan_layout(1000, 1.5, torch.bfloat16).dense
+    # bf16 values + a bitmap (the cheapest index this dense): 1.05x would cost more than dense.
+    assert plan_layout(1000, 1.05, torch.bfloat16).dense
+    assert plan_layout(1000, 1.2, torch.bfloat16).scheme is IndexScheme.BITMAP  # 1,808 bytes < 2,000
     assert not plan_layout(1000, 4, torch.bfloat16).dense
 
 
@@ -72,14 +74,39 @@ def test_layout_byte_accounting_is_honest():
     assert lay.byte_ratio == pytest.approx(2 * n / lay.nbytes)
 
 
-@pytest.mark.parametrize("n,ratio,expect", [(100_000, 10, IndexScheme.BLOCK8), (100_000, 50, IndexScheme.BLOCK8),
+@pytest.mark.parametrize("n,ratio,expect", [(100_000, 4, IndexScheme.BITMAP), (100_000, 8, IndexScheme.BITMAP),
+                                            (100_000, 9, IndexScheme.BLOCK8),
+                                            (100_000, 10, IndexScheme.BLOCK8), (100_000, 50, IndexScheme.BLOCK8),
                                             (1_000_000, 500, IndexScheme.BLOCK16),
                                             (1_000_000, 100_000, IndexScheme.FLAT32)])
 def test_scheme_choice_is_the_cheapest(n, ratio, expect):
     lay = plan_layout(n, ratio, torch.float32)
     assert lay.scheme is expect
-    for s in (IndexScheme.BLOCK8, IndexScheme.BLOCK16, IndexScheme.FLAT32):
+    for s in (IndexScheme.BITMAP, IndexScheme.BLOCK8, IndexScheme.BLOCK16, IndexScheme.FLAT32):
         assert lay.nbytes <= PayloadLayout(n, lay.k, torch.float32, s).nbytes
+
+
+@pytest.mark.parametrize("with_shared", [False, True])
+@pytest.mark.parametrize("vdt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ratio", [2, 4, 8])
+def test_bitmap_payload_carries_block8s_entries_in_fewer_bytes(ratio, vdt, with_shared):
+    """Below ratio ~8.5 the bitmap is chosen: the same kept entries as BLOCK8 (decoded bit for bit
+    alike), n/8 bytes of index instead of k + n/128, and nothing else in the payload."""
+    n = 70_001  # not a multiple of 8: the last bitmap byte is partial
+    w = _expert(n, seed=5)
+    shared = _expert(n, seed=6) if with_shared else None
+    lay = plan_layout(n, ratio, vdt)
+    assert lay.scheme is IndexScheme.BITMAP and lay.noffsets == 0
+    block8 = PayloadLayout(n, lay.k, vdt, IndexScheme.BLOCK8)
+    a = lambda x: -(-x // ALIGN) * ALIGN
+    assert lay.nbytes == a(lay.k * vdt.itemsize) + a(math.ceil(n / 8)) < block8.nbytes
+    payload = encode(w, shared, lay)
+    assert sum(bin(b).count("1") for b in unpack(payload, lay).counts.tolist()) == lay.k  # one bit per entry
+    base = torch.zeros(n) if shared is None else shared
+    got = decode_into(payload, lay, base, torch.empty(n))
+    want = decode_into(encode(w, shared, block8), block8, base, torch.empty(n))
+    assert torch.equal(got, want)
+    assert torch.equal(encode(w, shared, lay), payload)  # deterministic bytes, padding included
 
 
 @pytest.mark.parametrize("ratio", [4, 10, 50, 300])
