@@ -67,7 +67,10 @@ def triton_usable(t: torch.Tensor) -> bool:
     return t.is_cuda or (interpreter_enabled() and t.device.type == "cpu")
 
 
-def _pick(backend: Backend, t: torch.Tensor) -> str:
+def _pick(backend: Backend, t: torch.Tensor, block_bits: int | None = None) -> str:
+    """The backend that runs on ``t``; the bitmap (``block_bits`` BITMAP_BITS) has torch ops only."""
+    if block_bits == BITMAP_BITS:
+        return "torch"
     if backend == "auto":
         return "triton" if triton_usable(t) else "torch"
     if backend == "triton" and not triton_usable(t):
@@ -205,7 +208,7 @@ def residual_topk_encode_rows(weight: torch.Tensor, shared: torch.Tensor | None,
                   values[0], offsets[0], counts[0])
     if first_hists is not None and (first_hists.shape != (rows, 256) or first_hists.dtype != torch.int32):
         raise ValueError(f"first_hists must be int32[{rows}, 256], got {first_hists.dtype}{tuple(first_hists.shape)}")
-    if block_bits != BITMAP_BITS and _pick(backend, weight) == "triton":
+    if _pick(backend, weight, block_bits) == "triton":
         from megatron_hybridep.kernels import _codec_triton
 
         _codec_triton.residual_topk_encode_rows(weight, shared, k, block_bits, values, offsets, counts,
@@ -280,7 +283,7 @@ def sparse_residual_decode(base: torch.Tensor | None, values: torch.Tensor, offs
     Returns out.
     """
     _check_decode(base, values, offsets, counts, block_bits, out)
-    if block_bits != BITMAP_BITS and _pick(backend, out) == "triton":
+    if _pick(backend, out, block_bits) == "triton":
         from megatron_hybridep.kernels import _codec_triton
 
         return _codec_triton.sparse_residual_decode(base, values, offsets, counts, block_bits, out, alpha)

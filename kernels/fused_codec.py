@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
-from megatron_hybridep.kernels.codec import BITMAP_BITS, Backend, _pick, offsets_per_entry, sparse_residual_decode_torch
+from megatron_hybridep.kernels.codec import Backend, _pick, offsets_per_entry, sparse_residual_decode_torch
 
 
 def adamw_scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> dict:
@@ -133,7 +133,7 @@ def decode_rows(base: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
         raise ValueError("values, offsets and counts need one row per output row")
     if shift is not None and (shift.numel() != n or shift.dtype != base.dtype):
         raise ValueError(f"shift must have {n} elements of {base.dtype}")
-    if block_bits != BITMAP_BITS and _pick(backend, out) == "triton":  # the bitmap has no Triton kernel
+    if _pick(backend, out, block_bits) == "triton":
         from megatron_hybridep.kernels._codec_triton import TILE
 
         from megatron_hybridep.kernels import _fused_triton
