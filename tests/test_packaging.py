@@ -5,6 +5,7 @@ third-party module the package imports must come from a declared dependency or e
 extra must be imported somewhere, and nothing imports NVIDIA Apex."""
 
 import ast
+import functools
 import sys
 import tomllib
 from importlib.metadata import PackageNotFoundError, packages_distributions, requires
@@ -27,6 +28,7 @@ def _names(reqs: list[str]) -> set[str]:
     return {canonicalize_name(Requirement(r).name) for r in reqs}
 
 
+@functools.cache  # one parse of the tree per session; callers only read it
 def _imports() -> dict[str, set[str]]:
     """Top-level third-party module -> files importing it (module level or lazily, in functions)."""
     found: dict[str, set[str]] = {}
@@ -47,10 +49,16 @@ def _imports() -> dict[str, set[str]]:
     return found
 
 
+@functools.cache
+def _installed() -> dict[str, list[str]]:
+    """Module -> distributions, scanned once: each scan reads every installed package's metadata."""
+    return packages_distributions()
+
+
 def _distributions(module: str) -> set[str]:
     if module in OPTIONAL_MODULES:
         return {OPTIONAL_MODULES[module]}
-    return {canonicalize_name(d) for d in packages_distributions().get(module, [])}
+    return {canonicalize_name(d) for d in _installed().get(module, [])}
 
 
 def _provided_by_torch() -> set[str]:

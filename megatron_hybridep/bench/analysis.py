@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import statistics
 from typing import Any
 
 from megatron_hybridep.bench import predict as bp
@@ -20,7 +21,34 @@ from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.testbed.selfcheck import TCP_GOODPUT_FRACTION
 
 
+def pool_rounds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One point event per (phase, system, plan, point) where --rounds measured it several times: the
+    rounds' iterations pooled (median of all of them), their per-phase times the median over rounds,
+    link counters summed per DC over the pooled iterations, the load averaged; ``rounds`` says how
+    many. Other events pass through; a single round is left as it is."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for e in events:
+        if e["event"] == "point":
+            groups.setdefault((e["phase"], e["system"], e["plan"], e["point"]), []).append(e)
+    firsts = {id(g[0]): g for g in groups.values()}
+    return [_pooled(firsts[id(e)]) if id(e) in firsts else e for e in events
+            if e["event"] != "point" or id(e) in firsts]
+
+
+def _pooled(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    if len(rounds) == 1:
+        return rounds[0]
+    steps = [s for e in rounds for s in e["step_s"]]
+    links = [{**c, **{k: sum(e["link"][i][k] for e in rounds) for k in c if k != "dc"}}
+             for i, c in enumerate(rounds[0]["link"])]
+    return {**rounds[0], "iters": len(steps), "step_s": steps, "median_s": statistics.median(steps),
+            "warmup_s": statistics.fmean(e["warmup_s"] for e in rounds), "link": links, "rounds": len(rounds),
+            "loadavg": [statistics.fmean(e["loadavg"][j] for e in rounds) for j in (0, 1)],
+            "ranks": {k: statistics.median(e["ranks"][k] for e in rounds) for k in rounds[0]["ranks"]}}
+
+
 def analyse(cfg: BenchConfig, session: Session, events: list[dict[str, Any]], elapsed_s: float) -> dict[str, Any]:
+    events = pool_rounds(events)
     measured = [e for e in events if e["event"] == "point" and e["phase"] == "measure"]
     calib = {(e["system"], e["plan"], e["point"]): e for e in events
              if e["event"] == "point" and e["phase"] == "calibrate"}
@@ -142,7 +170,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
     csv_path, png_path = cfg.out / "bench.csv", cfg.out / "bench.png"
     br.write_csv(rows, csv_path)
     title = (f"{br.systems_title(rows)}: {cfg.dcs} DCs x {cfg.ranks_per_dc} ranks, WAN {cfg.rate_text} "
-             f"per DC, model {cfg.model.name}, {cfg.iters} iterations per point")
+             f"per DC, model {cfg.model.name}, {cfg.rounds * cfg.iters} iterations per point")
     br.plot(rows, png_path, title)
     probe = probe_summary(cfg, session.events)
     window = sum(r.wan_tx_mb * r.iters for r in rows)
@@ -173,7 +201,8 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         f"{f'{cfg.queue_ms:g} ms' if cfg.queue_ms else '1000 packets'}; TCP {cfg.congestion}), "
         f"model {cfg.model.name}, "
         f"{cfg.warmup} warm-up + {cfg.iters} timed iterations of {cfg.micro_batches} micro-batch(es) "
-        f"(borrowed copies: {cfg.borrowed_copies})"
+        + (f"in each of {cfg.rounds} rounds, the systems interleaved (rows pool the rounds) " if cfg.rounds > 1 else "")
+        + f"(borrowed copies: {cfg.borrowed_copies})"
         + (f"; HybridEP-c: weights {cfg.compression_ratio:g}x, returned gradients {cfg.grad_compression_ratio:g}x "
            f"({cfg.grad_values} values)" if "hybridep-compressed" in cfg.systems else ""),
         params_line(session.events),

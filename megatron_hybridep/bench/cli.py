@@ -20,7 +20,8 @@ HybridEP with weights and returned gradients top-k compressed, --compression-rat
 3. WAN shaped to --rate: warm up, K timed iterations; the uplink byte counters over exactly the
    timed window; the prediction (bench/predict) next to it.
 Measuring each system unshaped and shaped back to back keeps the machine's load (shared cores)
-out of the comparison as far as possible; the report states the load average of every point.
+out of the comparison as far as possible; --rounds R repeats a point's systems R times, interleaved
+(rows pool the rounds); the report states the load average of every point.
 Modules: bench/config (options, sweep), bench/session (the parent's side of the protocol, shaping,
 planner), bench/worker (a rank), bench/predict (cost model -> predicted step), bench/analysis and
 bench/report (rows, probe, targets, CSV/PNG/table).

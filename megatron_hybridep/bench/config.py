@@ -34,7 +34,7 @@ DEFAULTS: dict[str, Any] = {"dcs": 2, "ranks_per_dc": 2, "rate": "50mbit", "poin
                             "burst_ms": 1.0, "queue_ms": 0.0, "congestion": CONGESTION_DEFAULT,
                             "compression_ratio": QUALITY_WEIGHT_RATIO,
                             "grad_compression_ratio": QUALITY_GRAD_RATIO, "grad_values": "bf16", "micro_batches": 1,
-                            "borrowed_copies": "auto", "overlap_grad_reduce": True, "auto_trials": 2}
+                            "borrowed_copies": "auto", "overlap_grad_reduce": True, "auto_trials": 2, "rounds": 1}
 COPIES = ("auto", "iteration", "microbatch")  # --hybridep-borrowed-copies; auto = iteration (bench models fit)
 # --smoke: the same path end to end, small enough for CI (< 60 s on 2 cores)
 SMOKE: dict[str, Any] = {"points": 2, "min_tokens": 32, "seq": 32, "warmup": 1, "iters": 2, "timeout": 150.0,
@@ -102,6 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto and auto-c: unshaped trial runs per point of the planner's finalists that no "
                              "measured system stands for (bench/finalists.py; default "
                              f"{d['auto_trials']}; 0: only the measured ones compete)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="measure every system this many times per point, the systems interleaved (later rounds "
+                             "in reversed, then the first order; auto keeps its first round's layout): rows pool "
+                             f"the rounds' iterations (default {d['rounds']})")
     parser.add_argument("--smoke", action="store_true",
                         help=f"quick end-to-end check: {SMOKE['points']} points from {SMOKE['min_tokens']} tokens, "
                              f"seq {SMOKE['seq']}, {SMOKE['warmup']} warm-up + {SMOKE['iters']} iterations")
@@ -140,6 +144,7 @@ class BenchConfig:
     congestion: str = DEFAULTS["congestion"]  # "host": the host's default (runs before 2026-11-27)
     grad_values: str = DEFAULTS["grad_values"]  # the returned gradients' kept values: bf16 or "same" (fp32 here)
     auto_trials: int = DEFAULTS["auto_trials"]  # unshaped trials of auto's finalists per point (bench/finalists.py)
+    rounds: int = DEFAULTS["rounds"]  # every system measured this many times per point, interleaved
 
     def system_micro_batches(self, system: str, pp: int = 1) -> int:
         """Micro-batches per iteration of a system whose layout has ``pp`` stages: the same global batch."""
@@ -175,6 +180,8 @@ class BenchConfig:
             argv += ["--no-overlap-grad-reduce"]
         if any(s in self.systems for s in AUTO):
             argv += ["--auto-trials", str(self.auto_trials)]
+        if self.rounds != 1:
+            argv += ["--rounds", str(self.rounds)]
         argv += ["--out", str(self.out)]
         return shlex.join(argv)
 
@@ -259,9 +266,13 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     trials = int(get("auto_trials"))
     if trials < 0:
         raise BenchError(f"--auto-trials: must be >= 0, got {trials}; fix: e.g. --auto-trials 2")
+    rounds = int(get("rounds"))
+    if rounds < 1:
+        raise BenchError(f"--rounds: must be >= 1, got {rounds}; fix: e.g. --rounds 2")
     out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     return BenchConfig(model, model_path or "builtin", dcs, k, rate, rate_text, sweep(min_tokens, seq, points), seq,
                        min_tokens, warmup, iters, systems, out, float(get("timeout")), bool(args.smoke), burst_ms,
                        ratio, grad_ratio, bool(getattr(args, "quiet", False)), micro, str(get("borrowed_copies")),
                        bool(get("overlap_grad_reduce")), queue_ms=queue_ms,
-                       congestion=str(get("congestion")), grad_values=str(get("grad_values")), auto_trials=trials)
+                       congestion=str(get("congestion")), grad_values=str(get("grad_values")), auto_trials=trials,
+                       rounds=rounds)

@@ -78,8 +78,11 @@ class Session:
 
     def __post_init__(self) -> None:
         # highest traffic first: its comparison matters most, and on a shared machine the first
-        # minutes are the ones most likely to see the load the run started with
-        self.queue = [(p["index"], s) for p in reversed(self.cfg.points) for s in SYSTEMS if s in self.cfg.systems]
+        # minutes are the ones most likely to see the load the run started with. Rounds after the first
+        # interleave the systems in alternating orders (the first: EP's calibration feeds the planners).
+        order = [s for s in SYSTEMS if s in self.cfg.systems]
+        self.queue = [(p["index"], s) for p in reversed(self.cfg.points) for r in range(self.cfg.rounds)
+                      for s in (order if r % 2 == 0 else order[::-1])]
         self.info.update(chosen={}, planner_best={}, shaped_tx_bytes=0.0)
 
     def pending(self) -> bool:
@@ -146,6 +149,8 @@ class Session:
         measured at this point already (it is that system's row: a second run would add only noise)."""
         order: dict[str, Any] = {"system": system, "point": self.cfg.points[point],
                                  "warmup": self.cfg.warmup, "iters": self.cfg.iters}
+        if (point, system) in self.chosen:  # a later round: what the first one chose runs again
+            return self._again(point, system, order)
         if system.startswith("hybridep"):  # EP ran first at this point: its calibration feeds the planner
             order["plans"] = [self.choose_plan(point, system).to_dict()]
         if system in AUTO and (trial := self._trial(point, system)) is not None:
@@ -159,6 +164,18 @@ class Session:
                 self.say(f"point {point}: {system} chose {order['layout']['name']}, the {same} system's layout: "
                          "its measurement stands for both")
                 return None
+        return self._compressed(system, order)
+
+    def _again(self, point: int, system: str, order: dict[str, Any]) -> dict[str, Any] | None:
+        """A later round's order: the first round's plan and layout (None where auto's layout is a
+        system measured at this point: that system's rounds stand for it)."""
+        key = (point, system)
+        if system in LAYOUTS:
+            if f"{point} {system}" in self.info.get("same_as", {}):
+                return None
+            order.update(self._layout_order(self.layouts[key], self.chosen[key]))
+        else:
+            order["plans"] = [self.chosen[key].to_dict()]
         return self._compressed(system, order)
 
     def _compressed(self, system: str, order: dict[str, Any]) -> dict[str, Any]:
