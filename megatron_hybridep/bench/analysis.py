@@ -25,14 +25,12 @@ def pool_rounds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One point event per (phase, system, plan, point) where --rounds measured it several times: the
     rounds' iterations pooled (median of all of them), their per-phase times the median over rounds,
     link counters summed per DC over the pooled iterations, the load averaged; ``rounds`` says how
-    many. Other events pass through; a single round is left as it is."""
+    many. Other events come first, as they were; a single round is left as it is."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for e in events:
         if e["event"] == "point":
             groups.setdefault((e["phase"], e["system"], e["plan"], e["point"]), []).append(e)
-    firsts = {id(g[0]): g for g in groups.values()}
-    return [_pooled(firsts[id(e)]) if id(e) in firsts else e for e in events
-            if e["event"] != "point" or id(e) in firsts]
+    return [e for e in events if e["event"] != "point"] + [_pooled(g) for g in groups.values()]
 
 
 def _pooled(rounds: list[dict[str, Any]]) -> dict[str, Any]:

@@ -100,8 +100,9 @@ def test_compressed_checkpoints_move_between_hybridep_and_alltoall(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     train(4, [*COMPRESSED, "--save", ckpt, "--save-interval", "2", "--exit-interval", "2"], "hybridep",
           plan=plan, iters=5)
-    layer = _runtime_state(ckpt, 2, 1)["layers"][0]["gathers"][0]  # the codec's copies and residuals
-    assert _runtime_state(ckpt, 2, 1)["step"] == 1 and layer["copies"] is not None and layer["grad_residuals"]
+    state = _runtime_state(ckpt, 2, 1)
+    layer = state["layers"][0]["gathers"][0]  # the codec's copies and residuals
+    assert state["step"] == 1 and layer["copies"] is not None and layer["grad_residuals"]
     moved = train(4, ["--load", ckpt, "--save", ckpt, "--save-interval", "2", "--exit-interval", "4"], "alltoall",
                   iters=5)
     assert all(len(losses) == 2 and all(map(math.isfinite, losses)) for losses, _ in moved)
