@@ -44,11 +44,14 @@ LINE = re.compile(r" iter +(\d+)/\d+ \| loss +([\d.]+|nan) \| step +([\d.]+) ms"
 
 
 def systems(dcs: int, world: int, ratio: float = QUALITY_WEIGHT_RATIO,
-            grad_ratio: float = QUALITY_GRAD_RATIO, grad_values: str = "bf16") -> dict[str, list[str]]:
+            grad_ratio: float = QUALITY_GRAD_RATIO, grad_values: str = "bf16",
+            early: float = 0.0) -> dict[str, list[str]]:
     pp = ["--pipeline-model-parallel-size", str(dcs), "--expert-model-parallel-size", str(world // dcs)]
     comp = ["--hybridep-compression-ratio", f"{ratio:g}", "--hybridep-grad-compression-ratio", f"{grad_ratio:g}",
             "--hybridep-max-compression-ratio", "0",  # what is asked for, past the quality caps too
             "--hybridep-max-grad-compression-ratio", "0", "--hybridep-grad-compression-values", grad_values]
+    if early:
+        comp += ["--hybridep-early-grad-return", f"{early:g}"]
     return {"ep": ["--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", str(world)],
             "replicated": ["--hybridep-plan", "replicated", "--expert-model-parallel-size", str(world)],
             "hybridep": ["--expert-model-parallel-size", str(world)],
@@ -141,6 +144,29 @@ def report(runs: dict[str, list[list[tuple[int, float, float]]]], args: argparse
     return "\n".join(lines), {"target": target, "reference": ref, "systems": out}
 
 
+# what a recorded run must share with this one for its curves to join the table (the corpus, model,
+# batches and steps: the losses; the link: the step times)
+SAME_RUN = ("dcs", "ranks_per_dc", "rate", "intra_gbps", "global_batch", "queue_ms", "burst_ms", "congestion",
+            "iters", "warmup", "seed", "model_flags", "data_path")
+
+
+def recorded_runs(paths: list[str], args: argparse.Namespace, running: set[str]) -> dict[str, list]:
+    """Runs of earlier results.json files (systems not trained here; one trained here too joins as
+    "NAME (recorded)"), refused naming the field where the runs are not comparable."""
+    out: dict[str, list] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        for key in SAME_RUN:
+            mine, theirs = getattr(args, key), data["args"].get(key)
+            if mine != theirs:
+                raise SystemExit(f"--recorded {path}: {key} was {theirs!r}, this run has {mine!r}; fix: run with "
+                                 f"the recorded run's settings (its results.md ends with its command)")
+        for name, reps in data["runs"].items():
+            label = f"{name} (recorded)" if name in running else name
+            out.setdefault(label, []).extend([[tuple(x) for x in r] for r in reps])
+    return out
+
+
 def plot(numbers: dict, path: Path, title: str) -> None:
     import matplotlib
 
@@ -176,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-values", choices=tuple(GRAD_VALUE_BYTES), default="bf16",
                    help="hybridep-c's returned gradients' kept values: bf16 (the runtime's default) or the "
                         "gradient's fp32 (docs/results.md's runs from before 2026-11-26's change)")
+    p.add_argument("--early-grad-return", type=float, default=0.0, metavar="R",
+                   help="hybridep-c's and auto-c's --hybridep-early-grad-return R (0 = off, the default)")
+    p.add_argument("--recorded", action="append", default=[], metavar="RESULTS_JSON",
+                   help="add the runs of an earlier results.json made with the same corpus, model, batch, "
+                        "iterations, seed and link (a system also trained here joins as 'NAME (recorded)')")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--reference", default="ep", help="the system whose loss is the target (e.g. pp: the best "
                                                       "Megatron layout where the WAN binds)")
@@ -196,12 +227,13 @@ def main(argv: list[str] | None = None) -> int:
         prepare_corpus()  # idempotent: "up to date" when already prepared
         args.data_path = default_prefix(None, austen.default_cache())
     world = args.dcs * args.ranks_per_dc
-    known = systems(args.dcs, world, args.ratio, args.grad_ratio, args.grad_values)
+    known = systems(args.dcs, world, args.ratio, args.grad_ratio, args.grad_values, args.early_grad_return)
     unknown = [k for k in args.systems.split(",") if k not in known]
     if unknown:
         p.error(f"--systems: unknown {', '.join(unknown)}; fix: choose from {', '.join(known)}")
     table = {k: known[k] for k in args.systems.split(",")}  # run in the order given
-    if args.reference not in table:
+    recorded = recorded_runs(args.recorded, args, set(table))
+    if args.reference not in table and args.reference not in recorded:
         p.error(f"--systems: the target is {args.reference}'s loss; fix: keep {args.reference} in the list or "
                 "change --reference")
     if not 0 < args.target_at <= 1:
@@ -222,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                 last = runs[s][-1]
                 print(f"repeat {r} {s:11s} final loss {last[-1][1]:.4f}, median step "
                       f"{statistics.median(x[2] for x in last):.2f} s", flush=True)
+    runs.update(recorded)
     text, numbers = report(runs, args)
     print("\n" + text)
     (out / "results.md").write_text(text + "\n\ncommand: " + shlex.join(sys.argv) + "\n")

@@ -61,6 +61,12 @@ def _cap(text: str) -> float:
                     "{text} is not 0 or a finite ratio >= 1", "0 (no cap) or a ratio >= 1")
 
 
+def _ratio_or_off(text: str) -> float:
+    """argparse type: 0 (off) or a ratio >= 1."""
+    return _checked(text, float, "a number", lambda v: v == 0 or 1 <= v < float("inf"),
+                    "{text} is not 0 or a finite ratio >= 1", "0 (off) or a ratio >= 1")
+
+
 def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron extra-args provider: the plugin's flags, and 'hybridep' as a dispatcher choice."""
     _allow_hybridep_dispatcher(parser)
@@ -130,6 +136,11 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="with borrowed copies per iteration: launch the return of their gradients in the last "
                         "backward and collect it before Megatron's reduction (overlaps the rest of the backward; "
                         "the cost model still prices it blocking)")
+    g.add_argument("--hybridep-early-grad-return", type=_ratio_or_off, default=0.0, metavar="RATIO",
+                   help="with compressed returned gradients held for the iteration: launch the first M-1 "
+                        "micro-batches' return in the (M-1)th backward, so it crosses the link during the last "
+                        "micro-batch, and return the rest at element ratio RATIO (a smaller payload at the step's "
+                        "end; error feedback keeps what it leaves; 0 = off, the default)")
     g.add_argument("--hybridep-layout-independent-init", action="store_true",
                    help="draw every weight from --seed and its global layer and expert index, so every TP/PP/EP "
                         "layout starts from the same model (Megatron's own init differs per stage and EP rank); "

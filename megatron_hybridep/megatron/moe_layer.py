@@ -149,7 +149,8 @@ class HybridEPMoELayer(MoELayer):
             gather = DomainGather(list(self.experts.named_parameters()), groups.domain, groups.domain_position,
                                   layer=self._layer_key(), stats=self._runtime.stats, levels=groups.domain_levels,
                                   num_local=local, config=self._runtime.migration, shared=self._shared,
-                                  defer=self._defer, asynchronous=self._asynchronous, fuse_wgrad=self._fuse_wgrad)
+                                  defer=self._defer, asynchronous=self._asynchronous, fuse_wgrad=self._fuse_wgrad,
+                                  micro_batches=lambda: self._runtime.micro_batches)
         if plan.replicas:
             levels = tuple(crossing_level(plan, groups.ep_rank, q) for q in range(plan.ep_size))
             replicas = ReplicaExchange(list(self.experts.named_parameters()), local, plan, groups.ep_rank,

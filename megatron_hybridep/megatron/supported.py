@@ -46,6 +46,12 @@ RULES: tuple[Rule, ...] = (
          "untested with hybridep: TransformerEngine keeps FP8 scaling state (amax history) per expert module, and "
          "borrowed experts run through this rank's modules would share and update it; fix: drop --fp8-format "
          "(bf16) or use --moe-token-dispatcher-type alltoall"),
+    Rule("--hybridep-early-grad-return",
+         lambda a: _hybridep(a) and bool(getattr(a, "hybridep_early_grad_return", 0)) and (
+             getattr(a, "hybridep_grad_compression_ratio", 1.0) <= 1
+             or getattr(a, "hybridep_borrowed_copies", "auto") == "microbatch"),
+         "splits the compressed return of borrowed experts' gradients held for the iteration; fix: add "
+         "--hybridep-grad-compression-ratio > 1 (and not --hybridep-borrowed-copies microbatch), or drop it"),
     Rule("--num-layers-per-virtual-pipeline-stage",
          lambda a: bool(_virtual_stages(a)) and bool(getattr(a, "save", None) or getattr(a, "load", None)),
          "with --save/--load: the CPU loop checkpoints a single model chunk, and virtual pipeline stages give "

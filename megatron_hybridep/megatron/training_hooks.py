@@ -58,6 +58,9 @@ def after_each_step() -> None:
             # after train() set its own no_sync/finalize (it asserts no_sync_func is unset before)
             grad_sync.install(config, model if isinstance(model, list) else [model], runtime)
         if runtime is not None:  # after install: it sets the expert parameter sync the post-step runs first
+            from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+            runtime.micro_batches = get_num_microbatches()
             runtime.boundary = None
             _run_due_post_step(runtime)
         out = inner(*args, **kwargs)

@@ -14,7 +14,9 @@ Beyond the paper's stream model (paper_model.py) it counts, per MoE layer and mi
   (runtime/migration.py: a reduce-scatter ring, or an all-to-all of the chunks when gradients are
   compressed (top-k payloads) or the backend is gloo, whose reduce-scatter would send twice the bytes);
   with ``async_grad_return`` (--hybridep-async-grad-return) overlapped with the rest of the backward
-  (:func:`grad_return_exposed`);
+  (:func:`grad_return_exposed`); with ``early_return_rest_ratio`` (--hybridep-early-grad-return) the
+  first M-1 micro-batches' returns hide behind the last micro-batch's forward and backward and only
+  the rest's smaller payload is priced as above;
 - how often those two run is the borrowed-copies mode (``Workload.borrowed_copies``, the runtime's
   --hybridep-borrowed-copies): "iteration" gathers in the first micro-batch only, keeps the copies
   for the iteration and returns the accumulated gradients once, in the last micro-batch's backward;
@@ -303,7 +305,7 @@ class CostModel:
         t_pre = w.t_pre
 
         zero = PhaseCost.zero(net.L)
-        ag = rs = shared = zero
+        ag = rs = rest = shared = zero
         if plan.kind == "domains":
             own = E // G
             if S > 1:
@@ -313,6 +315,8 @@ class CostModel:
                     rs = net.a2a(dom, own * w.returned_grad_bytes(mode))
                 else:
                     rs = net.ring(dom, (S - 1) * own * w.returned_grad_bytes(mode), S - 1)
+                if w.splits_grad_return(mode):  # --hybridep-early-grad-return: the last backward's share
+                    rest = net.a2a(dom, own * w.rest_grad_bytes(mode))
                 if w.shared_sync_bytes:  # the shared expert is the mean over the whole EP group
                     ep_group = domain_family(lay, lay.extent)
                     shared = net.ring(ep_group, 2 * (G - 1) / G * w.shared_sync_bytes, 2 * (G - 1))
@@ -350,19 +354,23 @@ class CostModel:
             Phase.TOKEN_A2A_FWD: 2 * a2a_total * m,
             Phase.TOKEN_A2A_BWD: 2 * a2a_total * m,
             Phase.EXPERT_ALLGATHER: gathers,
-            Phase.GRAD_RETURN: grad_return_exposed(w, rs.seconds, mg, b),
+            Phase.GRAD_RETURN: (grad_return_exposed(w, rs.seconds, mg, b) if rest is zero else
+                                # the first M-1 micro-batches' returns cross during the last one's pass
+                                max(0.0, Lm * rs.seconds - (f + b)) + grad_return_exposed(w, rest.seconds, 1, b)),
             Phase.SHARED_SYNC: Lm * shared.seconds,
             Phase.DENSE_GRAD_ALLREDUCE: dense_s,
             Phase.EXPERT_GRAD_ALLREDUCE: expert_s,
         }
         raw = {"t_pre": t_pre, "expert_fwd": expert_fwd / Lm, "a2a": a2a_total / Lm,
-               Phase.EXPERT_ALLGATHER: ag.seconds, Phase.GRAD_RETURN: rs.seconds, Phase.SHARED_SYNC: shared.seconds,
+               Phase.EXPERT_ALLGATHER: ag.seconds, Phase.GRAD_RETURN: rs.seconds, "grad_return_rest": rest.seconds,
+               Phase.SHARED_SYNC: shared.seconds,
                Phase.DENSE_GRAD_ALLREDUCE: dense.seconds, Phase.EXPERT_GRAD_ALLREDUCE: allreduce.seconds,
                "dp_dense_buckets": float(buckets[0]), "dp_expert_buckets": float(buckets[1]),
                "dp_shares_a2a_links": float(shared_link)}
 
         occurrences = [(Phase.TOKEN_A2A, p, 4 * m * per_layer) for p in a2a_layers] + [
-            (Phase.EXPERT_ALLGATHER, ag, Lm * mg), (Phase.GRAD_RETURN, rs, Lm * mg), (Phase.SHARED_SYNC, shared, Lm),
+            (Phase.EXPERT_ALLGATHER, ag, Lm * mg), (Phase.GRAD_RETURN, rs, Lm * mg), (Phase.GRAD_RETURN, rest, Lm),
+            (Phase.SHARED_SYNC, shared, Lm),
             (Phase.DENSE_GRAD_ALLREDUCE, dense, 1), (Phase.EXPERT_GRAD_ALLREDUCE, allreduce, 1)]
         P, v = w.pipeline_model_parallel_size, w.virtual_pipeline_model_parallel_size
         notes = []

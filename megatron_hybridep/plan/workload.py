@@ -83,6 +83,8 @@ class Workload:
     dense_params: int | None = None          # all non-expert params (None = estimated from the shape)
     async_grad_return: bool = False          # --hybridep-async-grad-return: a layer's borrowed gradients return while
     #   the backward of the layers below it runs (the last micro-batch's, where they are returned)
+    early_return_rest_ratio: float = 0.0     # --hybridep-early-grad-return: with compressed returns held for the
+    #   iteration, the first M-1 micro-batches' return overlaps the last micro-batch; the rest at this ratio
     borrowed_copies: str = "auto"            # "iteration": gather borrowed experts once per step and return their
     #   gradients once; "microbatch": both in every micro-batch; "auto": iteration when its held memory fits
     backend: str = "nccl"                    # torch.distributed backend of the collectives: under gloo an exact
@@ -147,6 +149,8 @@ class Workload:
         for fld in ("compression_ratio", "grad_compression_ratio"):
             need(getattr(self, fld) >= 1, fld, "must be >= 1 (1 = exact, 50 = keep 2% of the values)",
                  "use 1 for no compression")
+        need(self.early_return_rest_ratio == 0 or self.early_return_rest_ratio >= 1, "early_return_rest_ratio",
+             f"must be 0 (off) or >= 1, got {self.early_return_rest_ratio}", "--hybridep-early-grad-return 0 or >= 1")
         need(self.grad_value_bytes in (0, 2, 4), "grad_value_bytes", f"must be 0, 2 or 4, got {self.grad_value_bytes}",
              "2 (bf16 values, the runtime's default) or 0 (the gradient's own precision)")
         need(self.max_compressed_domain >= 0, "max_compressed_domain", "must be >= 0 (0 = no cap)",
@@ -264,6 +268,16 @@ class Workload:
         if self.compressed_grad_bytes is not None:
             return float(self.compressed_grad_bytes) * self.main_grad_bytes / self.grad_bytes
         return self._grad_payload(self.main_grad_bytes)
+
+    def splits_grad_return(self, mode: str) -> bool:
+        """--hybridep-early-grad-return applies: compressed returns held for an iteration of M > 1."""
+        return bool(self.early_return_rest_ratio) and self.grad_compression_ratio > 1 and mode == "iteration" \
+            and self.micro_batches > 1
+
+    def rest_grad_bytes(self, mode: str) -> float:
+        """Bytes of the last backward's return of one borrowed expert when the return is split."""
+        return self.replace(grad_compression_ratio=self.early_return_rest_ratio,
+                            compressed_grad_bytes=None).returned_grad_bytes(mode)
 
     @property
     def shared_sync_bytes(self) -> float:

@@ -19,7 +19,7 @@ FIELDS = {
     "num_virtual_stages_per_pipeline_rank": "virtual_pipeline_model_parallel_size",
     "sequence_parallel": "sequence_parallel", "overlap_grad_reduce": "overlap_grad_reduce",
     "overlap_param_gather": "overlap_param_gather", "ddp_bucket_size": "ddp_bucket_size",
-    "max_compressed_domain": "max_compressed_domain",
+    "max_compressed_domain": "max_compressed_domain", "early_grad_return": "early_return_rest_ratio",
 }
 
 
@@ -36,6 +36,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, parallelism: bool
                       help="ship experts as shared + top-k residual keeping 1/R of the values (indices counted)")
     what.add_argument("--grad-compression-ratio", type=float, metavar="R",
                       help="the same for the gradients returned to expert owners")
+    what.add_argument("--early-grad-return", type=float, metavar="R",
+                      help="price pretrain_moe.py's --hybridep-early-grad-return R: the first M-1 micro-batches' "
+                           "returned gradients cross during the last micro-batch, the rest at ratio R")
     what.add_argument("--max-compressed-domain", type=int, metavar="S",
                       help="with compression, no domain of more than S ranks (0 = no cap): a domain of S ranks "
                            "computes 1 - 1/S of the routed tokens on compressed copies (pretrain_moe.py's "

@@ -9,7 +9,10 @@ The gradient computed with a copy is owed to its owner. While the runtime defers
 micro-batches Megatron runs under ``no_sync``), it accumulates here, in at least fp32 like
 Megatron's main grads; the first backward outside ``no_sync`` (the iteration's last micro-batch)
 returns the sum once, launched asynchronously when the loop collects it before Megatron's gradient
-reduction (grad_sync.py). Nothing owed may survive to the optimizer step (``owes``).
+reduction (grad_sync.py). With an early part (--hybridep-early-grad-return, compressed returns only)
+the sum of the first M-1 micro-batches is launched in the (M-1)th backward, so it crosses the link
+during the last micro-batch, and the last backward returns only the rest, in a smaller payload.
+Nothing owed may survive to the optimizer step (``owes``).
 """
 
 from __future__ import annotations
@@ -25,50 +28,91 @@ def version_key(params: Sequence[torch.Tensor], step: int = 0) -> tuple[int, ...
     return (step, *(p._version for p in params))
 
 
+Launch = Callable[[torch.Tensor], Callable[[], torch.Tensor]]
+
+
 class OwedGradient:
     """Accumulates a borrowed copy's gradient while ``defer()``; otherwise returns the total to the
     owners: through autograd (``send``, blocking), or, when ``asynchronous()``, launched now
     (``launch`` -> a function that waits and gives the owners' gradient) and collected by ``flush``
-    before Megatron reduces gradients, so the return overlaps the rest of the backward pass."""
+    before Megatron reduces gradients, so the return overlaps the rest of the backward pass.
+
+    ``early`` = (launch_early, launch_rest): at the ``split_at()``-th deferred backward of an
+    iteration (M-1: the micro-batches Megatron defers) the accumulated sum is launched by the first,
+    and the last backward returns what remains through the second (both are waited for together)."""
 
     def __init__(self, defer: Callable[[], bool], send: Callable[[torch.Tensor], torch.Tensor],
-                 launch: Callable[[torch.Tensor], Callable[[], torch.Tensor]] | None = None,
-                 asynchronous: Callable[[], bool] | None = None) -> None:
+                 launch: Launch | None = None, asynchronous: Callable[[], bool] | None = None,
+                 early: tuple[Launch, Launch] | None = None, split_at: Callable[[], int | None] | None = None) -> None:
         self.defer, self.send, self.launch = defer, send, launch
         self.asynchronous = asynchronous or (lambda: False)
+        self.early, self.split_at = early, split_at or (lambda: None)
         self.acc: torch.Tensor | None = None
         self.pending: Callable[[], torch.Tensor] | None = None
+        self.pending_early: Callable[[], torch.Tensor] | None = None
+        self.deferred = 0  # backward passes deferred in this iteration
 
     @property
     def owes(self) -> bool:
-        return self.acc is not None or self.pending is not None
+        return self.acc is not None or self.pending is not None or self.pending_early is not None
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor | None:
         """The gradient for the owners' parameters now, or None while deferring or in flight."""
         if self.defer():
             wide = grad.to(torch.promote_types(grad.dtype, torch.float32))
             self.acc = wide.clone() if self.acc is None else self.acc.add_(wide)
+            self.deferred += 1
+            if self.early is not None and self.pending_early is None and self.deferred == self.split_at():
+                self.pending_early, self.acc = self.early[0](self.acc), None
             return None
+        if self.early is not None and self.pending_early is None and self.deferred and self.split_at() is not None:
+            # the domain's other ranks launched their early part: a different payload would mismatch
+            # (a schedule that deferred nothing, as a direct call, defers nothing on any rank: one return)
+            raise RuntimeError(f"borrowed gradient return: {self.deferred} deferred backward passes before the last, "
+                               f"expected {self.split_at()} (micro-batches - 1); the early return needs one backward "
+                               "through the borrowed copies per micro-batch")
+        self.deferred = 0
         if self.acc is not None:
             grad, self.acc = self.acc.add_(grad), None
+        if self.pending_early is not None:
+            finish = self._rest(grad)
+            if self.launch is not None and self.asynchronous():
+                assert self.pending is None, "a borrowed gradient return is already in flight"
+                self.pending = finish
+                return None
+            return finish()
         if self.launch is not None and self.asynchronous():
             assert self.pending is None, "a borrowed gradient return is already in flight"
             self.pending = self.launch(grad)
             return None
         return self.send(grad)
 
+    def _rest(self, grad: torch.Tensor | None) -> Callable[[], torch.Tensor]:
+        """Launch what remains after the early part (if anything) and join the two returns."""
+        assert self.early is not None and self.pending_early is not None
+        first, self.pending_early = self.pending_early, None
+        second = self.early[1](grad) if grad is not None else None
+
+        def finish() -> torch.Tensor:
+            out = first()
+            return out if second is None else out.add_(second())
+
+        return finish
+
     def flush(self) -> torch.Tensor | None:
         """What is still owed, returned now (collective over the group: every rank calls it)."""
+        self.deferred = 0
         if self.pending is not None:
             finish, self.pending = self.pending, None
             return finish()
-        if self.acc is None:
-            return None
         grad, self.acc = self.acc, None
-        return self.send(grad)
+        if self.pending_early is not None:
+            return self._rest(grad)()
+        return None if grad is None else self.send(grad)
 
     def forget(self) -> None:
-        self.acc = self.pending = None
+        self.acc = self.pending = self.pending_early = None
+        self.deferred = 0
 
 
 def split_like(flat: torch.Tensor | None, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:

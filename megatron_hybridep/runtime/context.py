@@ -72,6 +72,8 @@ class HybridEPRuntime:
         # set by a loop that collects owed gradients before reducing gradients (grad_sync.install):
         # the last backward then only launches the returns, which overlap the rest of the backward
         self.async_grad_return = False
+        # micro-batches of the iteration running (set by the loop): an early gradient return splits there
+        self.micro_batches: int | None = None
         # set by grad_sync.install under --overlap-param-gather: finishes the all-gather of the owners'
         # expert parameters, which the distributed optimizer's step leaves to the next forward
         self.expert_param_sync: Callable[[], None] | None = None

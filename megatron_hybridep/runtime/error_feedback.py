@@ -35,10 +35,12 @@ class ErrorFeedbackTopK:
         self.backend: Backend = backend
         self._acc: dict[Hashable, torch.Tensor] = {}
 
-    def layout(self, numel: int, grad_dtype: torch.dtype) -> PayloadLayout:
+    def layout(self, numel: int, grad_dtype: torch.dtype, ratio: float | None = None) -> PayloadLayout:
         """A sparse payload's values in ``value_dtype`` (their rounding is fed back); a dense one
-        (ratio 1, or sparse not smaller) is the gradient itself, exact: no feedback covers it."""
-        lay = plan_layout(numel, self.ratio, self.value_dtype or grad_dtype, ratio_of=self.ratio_of)
+        (ratio 1, or sparse not smaller) is the gradient itself, exact: no feedback covers it.
+        ``ratio``: a payload's own (default: ``self.ratio``)."""
+        lay = plan_layout(numel, self.ratio if ratio is None else ratio, self.value_dtype or grad_dtype,
+                          ratio_of=self.ratio_of)
         return plan_layout(numel, 1.0, grad_dtype) if lay.dense else lay
 
     def nbytes(self, numel: int, grad_dtype: torch.dtype) -> int:
@@ -68,16 +70,18 @@ class ErrorFeedbackTopK:
         dtype: torch.dtype | None = None,
         src_dtype: torch.dtype | None = None,
         accumulate: bool = False,
+        ratio: float | None = None,
     ) -> torch.Tensor:
         """Dense gradient from a payload; ``accumulate=True`` adds it into ``out`` (the owner's
         gradient buffer) instead of overwriting. ``src_dtype``: the sender's gradient dtype
-        (default: the output dtype; matters only without an explicit value_dtype)."""
+        (default: the output dtype; matters only without an explicit value_dtype). ``ratio``: the
+        payload's, when ``self.ratio`` has moved on since it was compressed."""
         if out is None:
             if shape is None or dtype is None:
                 raise ValueError("give out, or shape and dtype")
             out = torch.empty(shape, dtype=dtype, device=payload.device)
             accumulate = False
-        lay = self.layout(out.numel(), src_dtype or out.dtype)
+        lay = self.layout(out.numel(), src_dtype or out.dtype, ratio)
         return decode_into(payload, lay, out if accumulate else None, out, backend=self.backend)
 
     def residual(self, key: Hashable) -> torch.Tensor | None:

@@ -76,6 +76,9 @@ class MigrationConfig:
     #   stays in the error-feedback accumulator, so nothing is lost) or "same" (the gradient's own dtype)
     grad_warmup_steps: int = 0           # returned gradients ramp from exact to grad_compression_ratio over
     #   this many optimizer steps, geometrically (Deep Gradient Compression's density warm-up)
+    early_return_rest_ratio: float = 0.0  # > 0: the first M-1 micro-batches' returned gradient is launched in
+    #   the (M-1)th backward (it crosses the link during the last micro-batch) and the last backward returns
+    #   the rest at this ratio, a smaller payload on the step's tail (0 = one return; needs grad compression)
 
     def __post_init__(self) -> None:
         for name in ("compression_ratio", "grad_compression_ratio"):
@@ -88,6 +91,11 @@ class MigrationConfig:
                              f"{self.grad_values!r}")
         if self.grad_warmup_steps < 0:
             raise ValueError("MigrationConfig.grad_warmup_steps must be >= 0 (0 = no warm-up)")
+        if self.early_return_rest_ratio and not (self.compresses_grads and self.hold_copies
+                                                 and self.early_return_rest_ratio >= 1.0):
+            raise ValueError("MigrationConfig.early_return_rest_ratio (--hybridep-early-grad-return) needs compressed "
+                             "returned gradients (--hybridep-grad-compression-ratio > 1), borrowed copies per "
+                             f"iteration and a ratio >= 1; got {self.early_return_rest_ratio}")
 
     def grad_ratio_at(self, step: int) -> float:
         """The returned gradients' ratio in optimizer step ``step`` (0-based): exact at 0, then
@@ -166,13 +174,15 @@ class DomainGather(ExpertExchange):
                  levels: Sequence[str] | None = None, num_local: int = 1,
                  config: MigrationConfig | None = None, shared: SharedExpert | None = None,
                  defer: Callable[[], bool] | None = None, asynchronous: Callable[[], bool] | None = None,
-                 fuse_wgrad: bool = False) -> None:
+                 fuse_wgrad: bool = False, micro_batches: Callable[[], int | None] | None = None) -> None:
         self.config = config or MigrationConfig()
+        self._micro_batches = micro_batches or (lambda: None)
         self.group, self.position = group, position
         self.size = dist.get_world_size(group)
         super().__init__(params, num_local, layer=layer, stats=stats,
                          levels=tuple(levels) if levels is not None else ("all",) * self.size,
-                         hold=self.config.hold_copies, defer=defer, asynchronous=asynchronous, fuse_wgrad=fuse_wgrad)
+                         hold=self.config.hold_copies, defer=defer, asynchronous=asynchronous, fuse_wgrad=fuse_wgrad,
+                         split_at=self._split_at)
         self.shared = shared
         dtype = self.params[0].dtype
         # incremental: the codec's base is the peers' copy, which plain top-k seeds with zeros
@@ -376,9 +386,23 @@ class DomainGather(ExpertExchange):
             return torch.zeros_like(rows)
         return shared.reshape(1, -1).expand_as(rows).clone()
 
-    def _launch_return(self, grad: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def _early_launchers(self) -> tuple[Callable, Callable] | None:
+        rest = self.config.early_return_rest_ratio
+        if not rest:
+            return None
+        return self._launch_return, lambda grad: self._launch_return(grad, ratio=rest)
+
+    def _split_at(self) -> int | None:
+        """The deferred backward that launches the early return: M-1, once any warm-up is over."""
+        m = self._micro_batches()
+        if not m or m < 2 or self._step < self.config.grad_warmup_steps:
+            return None
+        return m - 1
+
+    def _launch_return(self, grad: torch.Tensor, ratio: float | None = None) -> Callable[[], torch.Tensor]:
         """Start returning ``grad`` (S chunks: one per domain position) to the owners; the function
-        returned waits and gives this rank's summed chunk."""
+        returned waits and gives this rank's summed chunk. ``ratio``: the compressed payload's (default:
+        the gradient ratio of this step)."""
         t0 = time.perf_counter()
         grad = grad.contiguous()
         if self.config.check_finite:
@@ -401,7 +425,8 @@ class DomainGather(ExpertExchange):
                 pass
         else:
             chunks = grad.view(self.size, -1)
-            self.grad_codec.ratio = self.config.grad_ratio_at(self._step)  # from the step: resumes exactly
+            # from the step: resumes exactly
+            self.grad_codec.ratio = sent_at = self.config.grad_ratio_at(self._step) if ratio is None else ratio
             nbytes = self.grad_codec.nbytes(self.numel, grad.dtype)
             send = torch.zeros(self.size, nbytes, dtype=torch.uint8, device=grad.device)
             for q in range(self.size):
@@ -413,7 +438,7 @@ class DomainGather(ExpertExchange):
             def done() -> None:
                 for q in range(self.size):
                     if q != self.position:
-                        self.grad_codec.decompress(recv[q], out=out, accumulate=True)
+                        self.grad_codec.decompress(recv[q], out=out, accumulate=True, ratio=sent_at)
         launched = time.perf_counter() - t0
 
         def finish() -> torch.Tensor:

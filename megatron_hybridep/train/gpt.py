@@ -246,6 +246,8 @@ def run_iteration(chunks: list[Any], optimizer: Any, config: Any, batches: Seque
         raise ValueError("train step: no micro-batches; fix: pass a non-empty list of (tokens, labels)")
     runtime = process_context().runtime
     grad_sync.install(config, chunks, runtime)  # idempotent; the bench may pre-set finalize
+    if runtime is not None:
+        runtime.micro_batches = len(batches)
     config.grad_scale_func = optimizer.scale_loss
     for chunk in chunks:
         chunk.zero_grad_buffer()

@@ -83,6 +83,7 @@ def workload_for(args: argparse.Namespace, world_size: int | None = None) -> Wor
                      max_compressed_domain=getattr(args, "hybridep_max_compressed_domain", 0),
                      borrowed_copies=getattr(args, "hybridep_borrowed_copies", None) or "auto",
                      async_grad_return=bool(getattr(args, "hybridep_async_grad_return", False)),
+                     early_return_rest_ratio=getattr(args, "hybridep_early_grad_return", 0.0),
                      backend="gloo" if getattr(args, "distributed_backend", "nccl") == "gloo" else "nccl")
 
 
@@ -136,6 +137,7 @@ def migration_from_args(args: argparse.Namespace) -> MigrationConfig:
                            incremental=getattr(args, "hybridep_residual_base", "copy") == "copy",
                            hold_copies=getattr(args, "hybridep_borrowed_copies", "auto") != "microbatch",
                            async_return=bool(getattr(args, "hybridep_async_grad_return", False)),
+                           early_return_rest_ratio=getattr(args, "hybridep_early_grad_return", 0.0),
                            check_finite=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)))
 
 

@@ -16,6 +16,9 @@ pytestmark = pytest.mark.matrix
     (["--fp8-format", "hybrid"], "--fp8-format"),
     (["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
       "--save", "/nonexistent/ckpt"], "--num-layers-per-virtual-pipeline-stage"),
+    (["--hybridep-early-grad-return", "16"], "--hybridep-early-grad-return"),  # exact returns: nothing to split
+    (["--hybridep-early-grad-return", "16", "--hybridep-grad-compression-ratio", "4",
+      "--hybridep-borrowed-copies", "microbatch"], "--hybridep-early-grad-return"),
 ])
 def test_unsupported_combination_is_refused_at_parse_naming_the_flag(flags, flag):
     from megatron_hybridep.megatron.arguments import parse
@@ -33,6 +36,9 @@ def test_the_same_flags_pass_with_alltoall_or_the_fix_applied():
     parse([*TINY, *tp, "--moe-token-dispatcher-type", "alltoall"], default_config=PRESET)
     parse([*TINY, *tp, "--expert-tensor-parallel-size", "1"], default_config=PRESET)
     parse([*TINY, "--fp8-format", "hybrid", "--moe-token-dispatcher-type", "alltoall"], default_config=PRESET)
+    args = parse([*TINY, "--hybridep-early-grad-return", "16", "--hybridep-grad-compression-ratio", "4"],
+                 default_config=PRESET)
+    assert args.hybridep_early_grad_return == 16.0
     args = parse([*TINY, "--pipeline-model-parallel-size", "2", "--num-layers", "4"], default_config=PRESET)
     args.num_layers_per_virtual_pipeline_stage, args.save = 1, "/nonexistent/ckpt"
     check(args, cpu=False)  # a CPU-loop limit only: Megatron's own loop runs virtual stages

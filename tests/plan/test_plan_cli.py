@@ -136,3 +136,18 @@ def test_compressed_plans_state_their_share_and_the_cap(capsys):
                            for c in json.loads(out)["candidates"])
     rc, out, _ = run(capsys, "--topology", T("4dc_x_8"), "--model", M("paper-l"), "--max-compressed-domain", "2")
     assert rc == 0 and "quality" not in out  # exact migration: nothing to say, nothing capped
+
+
+def test_early_grad_return_is_priced_by_the_plan_command(capsys):
+    base = ["--topology", T("4dc_x_8"), "--model", M("paper-l"), "--tokens-per-rank", "8192", "--micro-batches",
+            "8", "--compression-ratio", "10", "--grad-compression-ratio", "4", "--borrowed-copies", "iteration",
+            "--json"]
+    costs = []
+    for extra in ([], ["--early-grad-return", "16"]):
+        rc, out, _ = run(capsys, *base, *extra)
+        assert rc == 0
+        costs.append({c["label"]: c["cost"] for c in json.loads(out)["candidates"]})
+    whole, split = costs
+    label = "domains dc2 gpu1"
+    assert split[label]["raw"]["grad_return_rest"] > 0 == whole[label]["raw"]["grad_return_rest"]
+    assert split[label]["phases"]["grad_return"] != whole[label]["phases"]["grad_return"]

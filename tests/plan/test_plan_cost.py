@@ -341,6 +341,37 @@ def test_async_gradient_return_hides_behind_the_backward_of_the_layers_below():
     assert blocking.phases["grad_return"] == pytest.approx(Lm * one)  # blocking: every return waited for
 
 
+def test_early_gradient_return_prices_the_rest_on_the_tail_and_both_payloads_on_the_wire():
+    """--hybridep-early-grad-return R: the first M-1 micro-batches' returns (at the gradient ratio)
+    hide behind the last micro-batch's forward and backward, the rest (at R) is waited for as a
+    return is; the WAN carries both payloads. Off without compressed gradients or with M = 1."""
+    topo = paper_topo(2, 8)
+    plan = Plan.grid((2, 8), (2, 1), 32)
+    # not hidden when a micro-batch's compute is shorter than the returns: both payloads then cost
+    tiny = dict(num_experts=32, grad_compression_ratio=4.0, micro_batches=8, borrowed_copies="iteration")
+    assert CostModel(topo, workload(**tiny, early_return_rest_ratio=16.0)).evaluate(plan).phases["grad_return"] > \
+        CostModel(topo, workload(**tiny)).evaluate(plan).phases["grad_return"]
+    base = dict(tiny, t_pre_ms=5.0)  # a micro-batch's pass covers the early returns
+    one = CostModel(topo, workload(**base)).evaluate(plan)
+    w = workload(**base, early_return_rest_ratio=16.0)
+    split = CostModel(topo, w).evaluate(plan)
+    Lm = w.stage_moe_layers
+    fb = 3 * (split.raw["t_pre"] * Lm + split.raw["expert_fwd"] * Lm) + 4 * split.raw["a2a"] * Lm
+    assert 0 < split.raw["grad_return_rest"] < split.raw["grad_return"] == one.raw["grad_return"]
+    assert split.phases["grad_return"] == pytest.approx(
+        max(0.0, Lm * one.raw["grad_return"] - fb) + Lm * split.raw["grad_return_rest"])
+    assert split.phases["grad_return"] < one.phases["grad_return"]
+    wan = lambda c: c.levels[0].uplink_bytes  # noqa: E731
+    assert wan(split) > wan(one)  # both payloads cross
+    assert w.rest_grad_bytes("iteration") < w.returned_grad_bytes("iteration")
+    for off in (dict(base, grad_compression_ratio=1.0), dict(base, micro_batches=1)):
+        a = CostModel(topo, workload(**off)).evaluate(plan)
+        b = CostModel(topo, workload(**off, early_return_rest_ratio=16.0)).evaluate(plan)
+        assert a.phases == b.phases and b.raw["grad_return_rest"] == 0
+    with pytest.raises(PlanError, match="early_return_rest_ratio"):
+        workload(early_return_rest_ratio=0.5)
+
+
 def test_gloo_returns_gradients_by_all_to_all_as_the_runtime_does():
     """runtime/migration.py on gloo sends each chunk to its owner (all_to_all_single): a 4-rank domain
     over 2 DCs puts 2 ranks x 2 remote chunks through each DC uplink, a ring 3 chunks (its two WAN

@@ -106,11 +106,15 @@ def test_gpu_train_step_wrapper_installs_grad_sync(monkeypatch):
         seen["no_sync"] = config.no_sync_func
         return "ok"
 
+    import megatron.core.num_microbatches_calculator as calculator
+
     monkeypatch.setattr(training, "train_step", fake_train_step)
     monkeypatch.setattr(context.process_context(), "runtime", runtime)
+    monkeypatch.setattr(calculator, "get_num_microbatches", lambda: 6)  # what Megatron's train() configured
     config = types.SimpleNamespace(no_sync_func=None, finalize_model_grads_func=None)
     training_hooks.after_each_step()
     assert training.train_step(None, None, [_Chunk([])], None, None, config, None) == "ok"
+    assert runtime.micro_batches == 6  # where --hybridep-early-grad-return splits
     assert getattr(seen["no_sync"], "_hybridep", False)
     assert getattr(config.finalize_model_grads_func, "_hybridep", False)
     assert runtime.async_grad_return  # asked for, and DDP does not overlap its reduction

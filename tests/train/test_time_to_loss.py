@@ -113,3 +113,28 @@ def test_the_links_burst_reaches_the_testbed(ttl, monkeypatch, tmp_path, flags, 
     with pytest.raises(RuntimeError, match="stop here"):
         ttl.main([*flags, "--data-path", "x", "--out", str(tmp_path)])
     assert seen["config"].burst_ms == burst and seen["config"].rate_mbit == 50.0
+
+
+def test_early_grad_return_reaches_the_compressed_systems_only(ttl):
+    table = ttl.systems(2, 4, early=16.0)
+    for name in ("hybridep-c", "auto-c"):
+        assert table[name][-2:] == ["--hybridep-early-grad-return", "16"]
+    assert all("--hybridep-early-grad-return" not in table[n] for n in ("ep", "replicated", "hybridep", "pp", "auto"))
+    assert "--hybridep-early-grad-return" not in ttl.systems(2, 4)["hybridep-c"]  # off by default
+
+
+def test_recorded_runs_join_the_table_only_when_comparable(ttl, tmp_path):
+    import argparse
+    import json
+
+    same = {k: 1 for k in ttl.SAME_RUN} | {"model_flags": "--hidden-size 32", "burst_ms": None}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"args": same, "runs": {"replicated": [[[1, 5.0, 9.0], [2, 4.0, 9.5]]],
+                                                       "hybridep-c": [[[1, 5.0, 5.0], [2, 4.1, 5.0]]]}}))
+    args = argparse.Namespace(**same)
+    got = ttl.recorded_runs([str(path)], args, {"hybridep-c"})
+    assert got == {"replicated": [[(1, 5.0, 9.0), (2, 4.0, 9.5)]],
+                   "hybridep-c (recorded)": [[(1, 5.0, 5.0), (2, 4.1, 5.0)]]}
+    args.seed = 2  # other batches: the losses are not comparable
+    with pytest.raises(SystemExit, match="seed was 1, this run has 2"):
+        ttl.recorded_runs([str(path)], args, set())
