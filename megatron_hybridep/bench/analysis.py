@@ -187,6 +187,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         "queue_ms": cfg.queue_ms, "congestion": cfg.congestion,
         "grad_compression_ratio": cfg.grad_compression_ratio,
         "grad_values": cfg.grad_values,
+        "early_grad_return": cfg.early_grad_return,
         "targets": [c.__dict__ for c in checks],
         "link_counters_check_mb": {"timed_windows": window, "shaped_segments": total},
         "all_to_all_probe": probe,
@@ -202,7 +203,9 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         + (f"in each of {cfg.rounds} rounds, the systems interleaved (rows pool the rounds) " if cfg.rounds > 1 else "")
         + f"(borrowed copies: {cfg.borrowed_copies})"
         + (f"; HybridEP-c: weights {cfg.compression_ratio:g}x, returned gradients {cfg.grad_compression_ratio:g}x "
-           f"({cfg.grad_values} values)" if "hybridep-compressed" in cfg.systems else ""),
+           f"({cfg.grad_values} values)" + (f", the last micro-batch's share at {cfg.early_grad_return:g}x "
+                                            "(--early-grad-return)" if cfg.early_grad_return else "")
+           if "hybridep-compressed" in cfg.systems else ""),
         params_line(session.events),
         "", br.format_table(rows),
         "median of the timed iterations [min-max]; pred = cost-model prediction (WAN at the TCP goodput of the "

@@ -33,7 +33,7 @@ DEFAULTS: dict[str, Any] = {"dcs": 2, "ranks_per_dc": 2, "rate": "50mbit", "poin
                             "seq": 128, "warmup": 2, "iters": 7, "systems": ",".join(SYSTEMS), "timeout": 1800.0,
                             "burst_ms": 1.0, "queue_ms": 0.0, "congestion": CONGESTION_DEFAULT,
                             "compression_ratio": QUALITY_WEIGHT_RATIO,
-                            "grad_compression_ratio": QUALITY_GRAD_RATIO, "grad_values": "bf16", "micro_batches": 1,
+                            "grad_compression_ratio": QUALITY_GRAD_RATIO, "grad_values": "bf16", "early_grad_return": 0.0, "micro_batches": 1,
                             "borrowed_copies": "auto", "overlap_grad_reduce": True, "auto_trials": 2, "rounds": 1}
 COPIES = ("auto", "iteration", "microbatch")  # --hybridep-borrowed-copies; auto = iteration (bench models fit)
 # --smoke: the same path end to end, small enough for CI (< 60 s on 2 cores)
@@ -89,6 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-compression-values", choices=tuple(GRAD_VALUE_BYTES), default=None,
                         help=f"{COMPRESSED} and auto-c: the returned gradients' kept values in bf16 (default, the "
                              "runtime's) or in the gradient's fp32 (the runs recorded before 2026-11-26's change)")
+    parser.add_argument("--early-grad-return", type=float, default=None, metavar="R",
+                        help=f"{COMPRESSED} and auto-c: pretrain_moe.py's --hybridep-early-grad-return R (the first "
+                             "M-1 micro-batches' returned gradients leave during the last, the rest at ratio R; "
+                             "default 0, off)")
     parser.add_argument("--micro-batches", type=int, default=None,
                         help="micro-batches per iteration at every point, each of the point's micro_batch x seq "
                              "tokens, through Megatron's schedule (gradients reduced once per iteration; default 1)")
@@ -143,6 +147,7 @@ class BenchConfig:
     queue_ms: float = DEFAULTS["queue_ms"]  # 0: the kernel's 1000-packet queue
     congestion: str = DEFAULTS["congestion"]  # "host": the host's default (runs before 2026-11-27)
     grad_values: str = DEFAULTS["grad_values"]  # the returned gradients' kept values: bf16 or "same" (fp32 here)
+    early_grad_return: float = DEFAULTS["early_grad_return"]  # --hybridep-early-grad-return's rest ratio (0: off)
     auto_trials: int = DEFAULTS["auto_trials"]  # unshaped trials of auto's finalists per point (bench/finalists.py)
     rounds: int = DEFAULTS["rounds"]  # every system measured this many times per point, interleaved
 
@@ -173,6 +178,8 @@ class BenchConfig:
             argv += ["--compression-ratio", f"{self.compression_ratio:g}",
                      "--grad-compression-ratio", f"{self.grad_compression_ratio:g}",
                      "--grad-compression-values", self.grad_values]
+            if self.early_grad_return:
+                argv += ["--early-grad-return", f"{self.early_grad_return:g}"]
         argv += ["--micro-batches", str(self.micro_batches)]
         if self.borrowed_copies != "auto":
             argv += ["--borrowed-copies", self.borrowed_copies]
@@ -263,6 +270,11 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     micro = int(get("micro_batches"))
     if micro < 1:
         raise BenchError(f"--micro-batches: must be >= 1, got {micro}; fix: e.g. --micro-batches 4")
+    early = float(get("early_grad_return"))
+    if early and not (early >= 1 and grad_ratio > 1 and get("borrowed_copies") != "microbatch"):
+        raise BenchError(f"--early-grad-return: {early:g} needs a ratio >= 1, compressed returned gradients "
+                         "(--grad-compression-ratio > 1) and copies held for the iteration; fix: e.g. "
+                         "--early-grad-return 16 with --grad-compression-ratio 4, or drop it")
     trials = int(get("auto_trials"))
     if trials < 0:
         raise BenchError(f"--auto-trials: must be >= 0, got {trials}; fix: e.g. --auto-trials 2")
@@ -275,4 +287,4 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
                        ratio, grad_ratio, bool(getattr(args, "quiet", False)), micro, str(get("borrowed_copies")),
                        bool(get("overlap_grad_reduce")), queue_ms=queue_ms,
                        congestion=str(get("congestion")), grad_values=str(get("grad_values")), auto_trials=trials,
-                       rounds=rounds)
+                       rounds=rounds, early_grad_return=early)

@@ -181,7 +181,8 @@ class Session:
     def _compressed(self, system: str, order: dict[str, Any]) -> dict[str, Any]:
         if system in PRICED_COMPRESSED and order.get("plans"):  # auto-c runs compressed only in a hybridep plan
             order.update(compression_ratio=self.cfg.compression_ratio,
-                         grad_compression_ratio=self.cfg.grad_compression_ratio, grad_values=self.cfg.grad_values)
+                         grad_compression_ratio=self.cfg.grad_compression_ratio, grad_values=self.cfg.grad_values,
+                         early_grad_return=self.cfg.early_grad_return)
         return order
 
     def _trial(self, point: int, system: str) -> dict[str, Any] | None:
@@ -259,7 +260,8 @@ class Session:
                      and m["system"] == COMPRESSED), 0.0)
         return calib.workload(self.cfg.model, point["tokens"], point["seq"], self.cfg.compression_ratio, sync,
                               grad_compression_ratio=self.cfg.grad_compression_ratio,
-                              grad_value_bytes=GRAD_VALUE_BYTES[self.cfg.grad_values], **mode)
+                              grad_value_bytes=GRAD_VALUE_BYTES[self.cfg.grad_values], **mode
+                              ).replace(early_return_rest_ratio=self.cfg.early_grad_return)
 
     def choose_plan(self, point: int, system: str = "hybridep") -> Plan:
         """The planner's HybridEP plan for this point and system, from EP's calibration of it."""

@@ -234,7 +234,8 @@ class Worker:
             if order.get("compression_ratio"):
                 migration, sync_bytes = self._migration(order["compression_ratio"],
                                                         order.get("grad_compression_ratio", order["compression_ratio"]),
-                                                        order.get("grad_values", "same"))
+                                                        order.get("grad_values", "same"),
+                                                        order.get("early_grad_return", 0.0))
             elif not self.spec.get("hold_copies", True):
                 from megatron_hybridep.runtime.migration import MigrationConfig
 
@@ -279,7 +280,8 @@ class Worker:
         del state
         dist.barrier()
 
-    def _migration(self, ratio: float, grad_ratio: float, grad_values: str) -> tuple[Any, float]:
+    def _migration(self, ratio: float, grad_ratio: float, grad_values: str,
+                   early: float = 0.0) -> tuple[Any, float]:
         """Compressed migration (weights at `ratio`, returned gradients at `grad_ratio`) and its shared-expert
         refresh bytes per MoE layer and step for the cost model (0 when the copies are refreshed
         incrementally, or the shared expert is frozen)."""
@@ -287,7 +289,7 @@ class Worker:
         from megatron_hybridep.runtime.migration import MigrationConfig
 
         cfg = MigrationConfig(compression_ratio=ratio, grad_compression_ratio=grad_ratio, grad_values=grad_values,
-                              hold_copies=self.spec.get("hold_copies", True))
+                              hold_copies=self.spec.get("hold_copies", True), early_return_rest_ratio=early)
         expert = self.model.expert_params
         sync = 0.0 if cfg.incremental else \
             SharedExpertRule(cfg.shared_refresh_every).sync_bytes_per_step(expert, torch.float32)

@@ -60,7 +60,10 @@ def after_each_step() -> None:
         if runtime is not None:  # after install: it sets the expert parameter sync the post-step runs first
             from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-            runtime.micro_batches = get_num_microbatches()
+            try:  # train() configured it; a caller that did not gets one return (no early split)
+                runtime.micro_batches = get_num_microbatches()
+            except AttributeError:
+                runtime.micro_batches = None
             runtime.boundary = None
             _run_due_post_step(runtime)
         out = inner(*args, **kwargs)
