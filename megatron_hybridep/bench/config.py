@@ -33,7 +33,8 @@ DEFAULTS: dict[str, Any] = {"dcs": 2, "ranks_per_dc": 2, "rate": "50mbit", "poin
                             "seq": 128, "warmup": 2, "iters": 7, "systems": ",".join(SYSTEMS), "timeout": 1800.0,
                             "burst_ms": 1.0, "queue_ms": 0.0, "congestion": CONGESTION_DEFAULT,
                             "compression_ratio": QUALITY_WEIGHT_RATIO,
-                            "grad_compression_ratio": QUALITY_GRAD_RATIO, "grad_values": "bf16", "early_grad_return": 0.0, "micro_batches": 1,
+                            "grad_compression_ratio": QUALITY_GRAD_RATIO, "grad_values": "bf16",
+                            "early_grad_return": 0.0, "micro_batches": 1,
                             "borrowed_copies": "auto", "overlap_grad_reduce": True, "auto_trials": 2, "rounds": 1}
 COPIES = ("auto", "iteration", "microbatch")  # --hybridep-borrowed-copies; auto = iteration (bench models fit)
 # --smoke: the same path end to end, small enough for CI (< 60 s on 2 cores)
