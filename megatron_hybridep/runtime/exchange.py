@@ -54,13 +54,11 @@ class ExpertExchange(ABC):
         defer: while true, the copy's gradient accumulates instead of returning (Megatron's no_sync).
         asynchronous: while true, a return is launched, not waited for (--hybridep-async-grad-return).
         fuse_wgrad: the copies get a main_grad (--gradient-accumulation-fusion).
-        split_at: the deferred backward (M-1) at which an early return launches (``_early_launchers``).
     """
 
     def __init__(self, params: Sequence[tuple[str, torch.nn.Parameter]], num_local: int, *, layer: int,
                  stats: Any, levels: tuple[str, ...], hold: bool, defer: Callable[[], bool] | None,
-                 asynchronous: Callable[[], bool] | None, fuse_wgrad: bool,
-                 split_at: Callable[[], int | None] | None = None) -> None:
+                 asynchronous: Callable[[], bool] | None, fuse_wgrad: bool) -> None:
         ordered = expert_major(params, num_local)
         self.names = [n for n, _ in ordered]
         self.params = [p for _, p in ordered]
@@ -73,7 +71,7 @@ class ExpertExchange(ABC):
         self._copy_key: tuple[int, ...] | None = None
         self.owed = OwedGradient(defer if defer is not None and hold else (lambda: False), self._return_grads,
                                  self._launch_return, asynchronous if hold else None,
-                                 early=self._early_launchers() if hold else None, split_at=split_at)
+                                 early=self._early_launchers() if hold else None, split_at=self._split_at)
         self.wgrad = FusedWgrad(fuse_wgrad)
 
     @abstractmethod
@@ -95,6 +93,10 @@ class ExpertExchange(ABC):
 
     def _early_launchers(self) -> tuple[Launch, Launch] | None:
         """(launch the first M-1 micro-batches' gradient, launch the rest) for an early return; None: off."""
+        return None
+
+    def _split_at(self) -> int | None:
+        """The deferred backward (M-1) at which the early return launches; None: one return."""
         return None
 
     def version(self) -> tuple[int, ...]:

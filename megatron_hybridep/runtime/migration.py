@@ -181,8 +181,7 @@ class DomainGather(ExpertExchange):
         self.size = dist.get_world_size(group)
         super().__init__(params, num_local, layer=layer, stats=stats,
                          levels=tuple(levels) if levels is not None else ("all",) * self.size,
-                         hold=self.config.hold_copies, defer=defer, asynchronous=asynchronous, fuse_wgrad=fuse_wgrad,
-                         split_at=self._split_at)
+                         hold=self.config.hold_copies, defer=defer, asynchronous=asynchronous, fuse_wgrad=fuse_wgrad)
         self.shared = shared
         dtype = self.params[0].dtype
         # incremental: the codec's base is the peers' copy, which plain top-k seeds with zeros
