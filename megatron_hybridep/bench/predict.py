@@ -120,10 +120,10 @@ class Calibration:
                  shared_sync_bytes_per_layer: float = 0.0, micro_batches: int = 1,
                  hold_copies: bool = True, overlap_grad_reduce: bool = False,
                  dense_params: int | None = None, grad_compression_ratio: float | None = None,
-                 grad_value_bytes: int = 2) -> Workload:
+                 grad_value_bytes: int = 2, early_return_rest_ratio: float = 0.0) -> Workload:
         """tokens: per micro-batch; the timings are per iteration of `micro_batches` micro-batches.
         compression_ratio: shipped weights, grad_compression_ratio: returned gradients (default: the
-        same) of the bench's compressed HybridEP;
+        same) of the bench's compressed HybridEP, early_return_rest_ratio its --early-grad-return;
         hold_copies: borrowed copies held for the iteration (--borrowed-copies); dense_params: the
         model's non-expert parameters as its ranks counted them (the cost model then prices their
         data-parallel reduction, overlapped under overlap_grad_reduce, over each layout's DP group)."""
@@ -135,7 +135,7 @@ class Calibration:
             t_pre_ms=self.t_pre_s / shape.num_moe_layers / micro_batches * 1e3, throughput_tflops=tflops,
             compression_ratio=compression_ratio,
             grad_compression_ratio=compression_ratio if grad_compression_ratio is None else grad_compression_ratio,
-            grad_value_bytes=grad_value_bytes,
+            grad_value_bytes=grad_value_bytes, early_return_rest_ratio=early_return_rest_ratio,
             shared_sync_bytes_per_layer=shared_sync_bytes_per_layer, backend="gloo",
             borrowed_copies="iteration" if hold_copies else "microbatch", overlap_grad_reduce=overlap_grad_reduce,
             dense_params=dense_params)

@@ -260,8 +260,8 @@ class Session:
                      and m["system"] == COMPRESSED), 0.0)
         return calib.workload(self.cfg.model, point["tokens"], point["seq"], self.cfg.compression_ratio, sync,
                               grad_compression_ratio=self.cfg.grad_compression_ratio,
-                              grad_value_bytes=GRAD_VALUE_BYTES[self.cfg.grad_values], **mode
-                              ).replace(early_return_rest_ratio=self.cfg.early_grad_return)
+                              grad_value_bytes=GRAD_VALUE_BYTES[self.cfg.grad_values],
+                              early_return_rest_ratio=self.cfg.early_grad_return, **mode)
 
     def choose_plan(self, point: int, system: str = "hybridep") -> Plan:
         """The planner's HybridEP plan for this point and system, from EP's calibration of it."""
