@@ -256,14 +256,16 @@ def choose_layout(args: argparse.Namespace, world_size: int, fixed: list[str]) -
     fixes one of ``LAYOUT_FLAGS``; a report to print). The workload is the job's at TP 1 x PP 1 with
     the same global batch (plan/layout.py)."""
     from megatron_hybridep.plan.cost import seconds_human
-    from megatron_hybridep.plan.layout import format_layouts, plan_layouts
+    from megatron_hybridep.plan.layout import PREFER_MEGATRON_WITHIN, format_layouts, is_hybridep, plan_layouts
 
     topology = topology_for(args, world_size)
     w = workload_for(args, world_size)
     split = w.tensor_model_parallel_size * w.pipeline_model_parallel_size
     w = w.replace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                   micro_batches=max(1, w.micro_batches // split))
-    results = plan_layouts(topology, w)
+    hybrid = getattr(args, "moe_token_dispatcher_type", "hybridep") == "hybridep"
+    # Megatron's own dispatcher runs no hybridep plan: the best layout without one
+    results = plan_layouts(topology, w, prefer_megatron_within=PREFER_MEGATRON_WITHIN if hybrid else float("inf"))
     runnable = [r for r in results if r.fits]
     if not runnable:
         raise PlanError("--hybridep-layout auto: no layout fits this job; fix: drop --hybridep-layout or "
@@ -272,10 +274,18 @@ def choose_layout(args: argparse.Namespace, world_size: int, fixed: list[str]) -
     lines = [f"[layout] {topology.describe()}, same global batch for every layout (hybridep plan --layout auto)",
              format_layouts(results, top=5)]
     flags = choice.layout.flags().split()
+    plan = choice.best.plan
     if fixed:
         lines.append(f"[layout] {', '.join(fixed)} fixed on the command line: keeping your layout; the planner's "
                      f"choice would be {' '.join(flags)}")
         return [], "\n".join(lines)
-    lines.append(f"[layout] running {choice.layout.label} ({' '.join(flags)}), predicted "
+    if not is_hybridep(plan) and hybrid:
+        # The stage's own planner (--hybridep-plan auto) has no near-tie margin and could pick hybridep inside it.
+        if getattr(args, "hybridep_plan", "auto") == "auto":
+            flags += ["--hybridep-plan", "ep"]
+        else:
+            lines.append(f"[layout] --hybridep-plan {args.hybridep_plan} kept; the layout was priced with plan "
+                         f"{plan.label}")
+    lines.append(f"[layout] running {choice.layout.label} ({' '.join(flags)}), plan {plan.label}, predicted "
                  f"{seconds_human(choice.step)} per iteration")
     return flags, "\n".join(lines)

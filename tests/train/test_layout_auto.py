@@ -20,7 +20,11 @@ def test_auto_appends_the_planners_layout_and_the_job_parses_it(capsys):
     report = capsys.readouterr().out
     added = final[len(argv):]
     assert added[-2:] == ["--hybridep-layout", "off"]  # the ranks do not plan again
-    chosen = dict(zip(added[:-2:2], map(int, added[1:-2:2]), strict=True))
+    added = added[:-2]
+    if "--hybridep-plan" in added:  # a layout without hybridep runs its plain plan
+        assert added[-2:] == ["--hybridep-plan", "ep"]
+        added = added[:-2]
+    chosen = dict(zip(added[::2], map(int, added[1::2]), strict=True))
     assert set(chosen) >= {"--pipeline-model-parallel-size", "--expert-model-parallel-size"}
     label = (f"TP{chosen['--tensor-model-parallel-size']} PP{chosen['--pipeline-model-parallel-size']} "
              f"EP{chosen['--expert-model-parallel-size']}")
@@ -92,3 +96,64 @@ def test_the_planners_micro_batches_come_from_the_world_before_megatron_validate
                              "--pipeline-model-parallel-size", "2"])
     assert workload_for(pp, 4).micro_batches == 16
     assert workload_for(args).micro_batches == 1  # no world: as before (callers after validation have DP)
+
+
+TOPOLOGY_10MBIT = """name: testbed_2dc_x_2
+world_size: 4
+memory_gb_per_gpu: 8
+levels:
+- {name: dc, count: 2, bandwidth_gbps: 0.01, uplink_gbps: 0.01, latency_us: 0}
+- {name: gpu, count: 2, bandwidth_gbps: 2.0, latency_us: 10}
+"""
+# issue 25's model with compression asked for: the stage's own planner picks a compressed domain inside
+# each DC, predicted within the near-tie margin of the plain layout the layout planner chooses
+COMPRESSED_JOB = ["--config", "configs/presets/cpu_demo.yaml", "--num-layers", "4", "--hidden-size", "128",
+                  "--ffn-hidden-size", "512", "--moe-ffn-hidden-size", "512", "--num-experts", "16",
+                  "--seq-length", "128", "--max-position-embeddings", "128",
+                  "--micro-batch-size", "4", "--global-batch-size", "16", "--overlap-grad-reduce",
+                  "--hybridep-compression-ratio", "10", "--hybridep-grad-compression-ratio", "4",
+                  "--hybridep-layout", "auto"]
+
+
+def test_a_plain_layout_runs_its_plain_plan_not_the_stage_planners_choice(tmp_path, capsys):
+    """The layout planner chose a layout without hybridep (a tie goes to Megatron); the job re-planned
+    the stage with --hybridep-plan auto, which has no such margin, and ran a compressed domain inside
+    each DC: 1.55x slower than one stage per DC on the testbed (docs/results.md, 2026-11-29)."""
+    import pretrain_moe
+    from megatron_hybridep.train.planning import choose
+
+    topo = tmp_path / "topo.yaml"
+    topo.write_text(TOPOLOGY_10MBIT)
+    argv = [*BASE, *COMPRESSED_JOB, "--hybridep-topology", str(topo)]
+    before = pretrain_moe._args([*argv[:-4], "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                 "--expert-tensor-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+                                 "--expert-model-parallel-size", "2", "--hybridep-topology", str(topo)])
+    assert choose(before, 4).plan.domain_size == 2  # what the stage's planner alone picks
+    final = _layout(argv)
+    assert "plan ep (S=1)" in capsys.readouterr().out
+    assert final[-4:] == ["--hybridep-plan", "ep", "--hybridep-layout", "off"]
+    args = pretrain_moe._args(final)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (2, 2)
+    assert choose(args, 4).plan.label == "ep (S=1)"
+    kept = _layout([*argv, "--hybridep-plan", "ep"])
+    assert kept.count("--hybridep-plan") == 1  # a plan on the command line is the user's
+    assert "--hybridep-plan ep kept; the layout was priced with plan ep (S=1)" in capsys.readouterr().out
+
+
+def test_megatrons_dispatcher_gets_the_best_layout_without_hybridep(tmp_path):
+    import pretrain_moe
+    from megatron_hybridep.plan.layout import is_hybridep, plan_layouts
+    from megatron_hybridep.train.planning import choose_layout, topology_for, workload_for
+
+    topo = tmp_path / "topo.yaml"
+    topo.write_text(TOPOLOGY_10MBIT)
+    # the time-to-loss runs' token-heavy shape, where HybridEP-c wins by 4x in the model
+    argv = [*BASE, *COMPRESSED_JOB, "--hybridep-topology", str(topo), "--hidden-size", "32",
+            "--num-attention-heads", "2", "--ffn-hidden-size", "192", "--moe-ffn-hidden-size", "192",
+            "--micro-batch-size", "8", "--global-batch-size", "256"]
+    args = pretrain_moe._args(argv)
+    ranked = plan_layouts(topology_for(args, 4), workload_for(args, 4))
+    assert is_hybridep(ranked[0].best.plan)
+    alltoall = pretrain_moe._args([*argv, "--moe-token-dispatcher-type", "alltoall"])
+    flags, report = choose_layout(alltoall, 4, [])
+    assert "--hybridep-plan" not in flags and "plan ep (S=1)" in report
