@@ -88,6 +88,7 @@ def settings_fields(s: Mapping[str, Any], source: str = "preset", data_parallel_
             overlap_param_gather=bool(s.get("overlap_param_gather")),
             ddp_bucket_size=int(s["ddp_bucket_size"]) if s.get("ddp_bucket_size") else None,
             tensor_model_parallel_size=int(s.get("tensor_model_parallel_size") or 1),
+            expert_tensor_parallel_size=int(s.get("expert_tensor_parallel_size") or 0),  # 0: TP, as Megatron
             pipeline_model_parallel_size=int(s.get("pipeline_model_parallel_size") or 1))
     except KeyError as exc:
         raise PlanError(f"{source}.{exc.args[0]}: required to describe the model; fix: set it in the preset") from None

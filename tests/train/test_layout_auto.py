@@ -157,3 +157,15 @@ def test_megatrons_dispatcher_gets_the_best_layout_without_hybridep(tmp_path):
     alltoall = pretrain_moe._args([*argv, "--moe-token-dispatcher-type", "alltoall"])
     flags, report = choose_layout(alltoall, 4, [])
     assert "--hybridep-plan" not in flags and "plan ep (S=1)" in report
+
+
+def test_the_jobs_workload_carries_the_expert_tensor_parallel_size():
+    """hybridep runs expert TP 1 (checked at start-up); the planner's workload took Megatron's default
+    (ETP = TP) and priced every expert as split over TP."""
+    import pretrain_moe
+    from megatron_hybridep.train.planning import workload_for
+
+    tp = [*BASE, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"]
+    assert workload_for(pretrain_moe._args([*tp, "--expert-tensor-parallel-size", "1"]), 4).etp == 1
+    alltoall = pretrain_moe._args([*tp, "--moe-token-dispatcher-type", "alltoall"])
+    assert workload_for(alltoall, 4).etp == 2  # Megatron's default: ETP = TP (hybridep refuses it)
