@@ -136,6 +136,10 @@ def test_the_start_up_log_states_the_share_on_compressed_copies(capsys):
     assert "50% of the routed tokens computed on compressed copies" in capsys.readouterr().out
     Reporter(args, choice, SimpleNamespace(migration=MigrationConfig()), rank=0)  # exact: nothing to say
     assert "compressed copies" not in capsys.readouterr().out
+    plain = parse(["--hybridep-compression-ratio", "50", "--hybridep-plan", "ep"], default_config=PRESET)
+    Reporter(plain, choose(plain, 4), SimpleNamespace(migration=MigrationConfig(50.0)), rank=0)
+    out = capsys.readouterr().out  # asked for, but S = 1 borrows nothing (the layout planner's plain plans)
+    assert "borrows no experts: nothing is compressed" in out and "compressed copies" not in out
 
 
 def test_the_gradient_value_dtype_reaches_the_runtime_and_the_planner():
