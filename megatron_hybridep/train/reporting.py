@@ -67,10 +67,11 @@ class Reporter:
                   + (f"; predicted {self.predicted * 1e3:.1f} ms/iter" if self.predicted else ""), flush=True)
             m = self.runtime.migration if self.runtime is not None else None
             if m is not None and (m.compresses_weights or m.compresses_grads):
-                print(f"[pretrain_moe] compressed migration: {p.borrowed_share:.0%} of the routed tokens computed "
-                      "on compressed copies (--hybridep-max-compressed-domain caps it; docs/compression.md)"
-                      if p.borrowed_share else "[pretrain_moe] compression asked for, but this plan borrows no "
-                      "experts: nothing is compressed, the run is exact", flush=True)
+                said = (f"compressed migration: {p.borrowed_share:.0%} of the routed tokens computed on compressed "
+                        "copies (--hybridep-max-compressed-domain caps it; docs/compression.md)" if p.borrowed_share
+                        else "compression asked for, but this plan borrows no experts: nothing is compressed, "
+                        "the run is exact")
+                print(f"[pretrain_moe] {said}", flush=True)
             why = getattr(self.args, "hybridep_borrowed_copies_reason", None)
             if why and self.runtime is not None:
                 print(f"[pretrain_moe] borrowed copies: {why}", flush=True)

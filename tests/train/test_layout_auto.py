@@ -125,9 +125,10 @@ def test_a_plain_layout_runs_its_plain_plan_not_the_stage_planners_choice(tmp_pa
     topo = tmp_path / "topo.yaml"
     topo.write_text(TOPOLOGY_10MBIT)
     argv = [*BASE, *COMPRESSED_JOB, "--hybridep-topology", str(topo)]
-    before = pretrain_moe._args([*argv[:-4], "--tensor-model-parallel-size", "2", "--sequence-parallel",
+    no_layout = [*BASE, *COMPRESSED_JOB[:-2], "--hybridep-topology", str(topo)]  # without --hybridep-layout auto
+    before = pretrain_moe._args([*no_layout, "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                  "--expert-tensor-parallel-size", "1", "--pipeline-model-parallel-size", "2",
-                                 "--expert-model-parallel-size", "2", "--hybridep-topology", str(topo)])
+                                 "--expert-model-parallel-size", "2"])
     assert choose(before, 4).plan.domain_size == 2  # what the stage's planner alone picks
     final = _layout(argv)
     assert "plan ep (S=1)" in capsys.readouterr().out
