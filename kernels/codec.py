@@ -104,28 +104,41 @@ def _check_encode(weight: torch.Tensor, shared: torch.Tensor | None, k: int, blo
         raise ValueError(f"value dtype must be one of {VALUE_DTYPES}, got {values.dtype}")
 
 
-_SAMPLE = 1 << 16
+_SAMPLE = 1 << 16  # most sampled entries
 
 
 def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
     """The k-th largest element of flat ``x`` (0-dim tensor), exactly.
 
-    A full top-k over millions of entries dominates CPU encode time, so a strided sample first
-    gives a lower bound t_lo expected to leave ~1.3k candidates; if at least k entries are
-    >= t_lo, the k largest are all among them and a small top-k finishes the job, else it
-    falls back to the full top-k. The result never depends on the sample.
+    A full top-k over millions of entries dominates CPU encode time, so a strided sample gives
+    two bounds about 4 sigma of sampling noise either side of the k-th largest: t_hi (fewer than
+    k entries above it) and t_lo (at least k entries at or above it). Then the answer is the
+    (k - #{x > t_hi})-th largest of the thin band [t_lo, t_hi], a few passes over x and a
+    top-k over ~1% of it; if the sample misled either bound, the full top-k runs. The result
+    never depends on the sample.
     """
     n = x.numel()
-    if n > 4 * _SAMPLE and k < n // 8:
-        stride = n // _SAMPLE
+    stride = max(16, n // _SAMPLE)  # a sample of 1/16 or less
+    if n >= 1024 * stride and k < n:
         sample = x[::stride]
         m = sample.numel()
-        frac = k / n
-        ks = min(m, int(m * frac * 1.3 + 4 * (m * frac) ** 0.5) + 1)  # ~4 sigma of sampling noise
-        t_lo = torch.topk(sample, ks, sorted=False).values.min()
-        cand = x[x >= t_lo]
-        if cand.numel() >= k:
-            return torch.topk(cand, k, sorted=False).values.min()
+        mean = m * k / n
+        spread = 4 * (mean * (1 - k / n)) ** 0.5 + 4
+        hi_rank, lo_rank = int(mean - spread), min(m, int(mean + spread) + 1)
+        ranked = torch.topk(sample, lo_rank).values  # descending
+        t_lo = ranked[-1]
+        band = x >= t_lo
+        above = 0
+        if hi_rank >= 1:
+            t_hi = ranked[hi_rank - 1]
+            over = x > t_hi
+            above = int(torch.count_nonzero(over))
+            band ^= over  # over is inside band: this removes it
+        need = k - above
+        if need >= 1:
+            cand = x[band]
+            if cand.numel() >= need:
+                return torch.topk(cand, need, sorted=False).values.min()
     return torch.topk(x, k, sorted=False).values.min()
 
 
@@ -140,6 +153,7 @@ def residual_topk_encode_torch(weight: torch.Tensor, shared: torch.Tensor | None
     n = r.numel()
     # Integer magnitudes: same order as |r| for finite floats, and +0/-0 compare equal.
     mag = r.view(torch.int32) & 0x7FFFFFFF
+    sel = None
     if k >= n:
         idx = torch.arange(n, device=r.device)
     else:
@@ -152,8 +166,11 @@ def residual_topk_encode_torch(weight: torch.Tensor, shared: torch.Tensor | None
         idx = torch.nonzero_static(sel, size=k).squeeze(1)
     values.copy_(r[idx])
     if block_bits == BITMAP_BITS:
-        kept = torch.zeros(counts.numel() * 8, dtype=torch.uint8, device=r.device)
-        kept[idx] = 1
+        if sel is None:
+            sel = torch.ones(n, dtype=torch.bool, device=r.device)
+        kept = sel.view(torch.uint8)
+        if n % 8:
+            kept = torch.cat([kept, kept.new_zeros(8 - n % 8)])
         shifts = torch.arange(8, dtype=torch.uint8, device=r.device)
         counts.copy_((kept.view(-1, 8) << shifts).sum(1, dtype=torch.uint8))  # distinct bits: the sum is an OR
     elif block_bits >= 32:

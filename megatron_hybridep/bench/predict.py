@@ -166,10 +166,12 @@ def stage_plan(topology: Topology, pp: int, ep: int, num_experts: int) -> Plan:
 def layout_results(topology: Topology, workload: Workload) -> list[LayoutResult]:
     """The layouts the bench's auto systems choose from (bench/finalists.py): the layout planner's,
     those that fit without tensor parallelism (the bench's CPU ranks run none), its choice first.
-    ``workload``: the PP 1 systems' (plan/layout.py)."""
+    ``workload``: the PP 1 systems' (plan/layout.py); auto-c's hybridep plans run compressed (the
+    bench passes them with its ratios), so they are priced so."""
     from megatron_hybridep.plan.layout import plan_layouts, prefer_megatron
 
-    runnable = prefer_megatron([r for r in plan_layouts(topology, workload) if r.fits and r.layout.tp == 1])
+    laid = plan_layouts(topology, workload, offer_exact=False)
+    runnable = prefer_megatron([r for r in laid if r.fits and r.layout.tp == 1])
     if not runnable:
         raise PlanError(f"auto: no layout without tensor parallelism fits {topology.describe()}; fix: drop auto from "
                         "--systems")
@@ -247,8 +249,9 @@ def predict(shaped: Topology, unshaped: Topology, workload: Workload, plan: Plan
 
 
 def plan_for_point(topology: Topology, workload: Workload, ep_size: int) -> PlanningResult:
-    """The planner's choice for one point (its own cost model, every candidate incl. replicated)."""
-    return choose_plan(topology, workload, ep_size)
+    """The planner's choice for one point (its own cost model, every candidate incl. replicated); the
+    compressed system's domains all compressed (it is the system that compresses)."""
+    return choose_plan(topology, workload, ep_size, offer_exact=False)
 
 
 def best_domains_plan(result: PlanningResult) -> Plan:

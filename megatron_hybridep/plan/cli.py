@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "(--tokens-per-rank and --micro-batches describe TP 1 x PP 1) and print one row per "
                           "layout with its best plan, against the best layout without hybridep (plan/layout.py); "
                           "with --compression-ratio / --grad-compression-ratio its HybridEP plans are priced "
-                          "compressed (the choice may then compress: a cost in model quality)")
+                          "compressed and exact, and the faster runs (the choice may then compress: a cost in "
+                          "model quality)")
 
 
 def _topology(args: argparse.Namespace) -> Topology:
@@ -235,10 +236,12 @@ def header(r: PlanningResult) -> str:
     if w.compresses:
         cap = (f"domains capped at {w.max_compressed_domain} ranks (--max-compressed-domain)"
                if w.max_compressed_domain else "no cap on domain size (--max-compressed-domain S sets one)")
-        share = r.best.borrowed_share
+        share = r.best.borrowed_share if r.compressed else 0.0
         lines.append("quality   compressed migration: " + (
             f"{r.best.label} computes {share:.0%} of the routed tokens on compressed copies" if share
-            else f"{r.best.label} uses none") + f"; {cap}; the loss cost grows with that share (docs/compression.md)")
+            else f"{r.best.label} uses none") + f"; {cap}; the loss cost grows with that share (docs/compression.md)"
+            + ("; 'exact' plans are priced at least as fast without the codec and run without it"
+               if any(_exact(r, c) for c in r.candidates) else ""))
     if w.compression_ratio > QUALITY_WEIGHT_RATIO:
         lines.append(f"note      expert weights at {w.compression_ratio:g}x cost model quality above "
                      f"{QUALITY_WEIGHT_RATIO:g}x (docs/compression.md); pretrain_moe.py caps them there unless "
@@ -260,6 +263,11 @@ def _pipeline_line(w: Workload) -> str:
             f"data-parallel reductions {'overlapped: ' + ', '.join(dp) if dp else 'blocking'}")
 
 
+def _exact(r: PlanningResult, c: Candidate) -> bool:
+    """A HybridEP domain that runs without the codec although compression was asked for."""
+    return r.workload.compresses and not c.compressed and c.plan.kind == "domains" and c.plan.domain_size > 1
+
+
 def _row(r: PlanningResult, c: Candidate, wan: str) -> list[str]:
     ph, P = c.cost.phases, Phase
 
@@ -270,7 +278,8 @@ def _row(r: PlanningResult, c: Candidate, wan: str) -> list[str]:
     lv = next((x for x in c.cost.levels if x.name == wan), None)
     mark = "*" if c.plan == r.best else ("-" if not c.fits_memory else "")
     copies = c.cost.borrowed_copies if c.plan.kind == "domains" and c.plan.domain_size > 1 else "-"
-    return [mark, c.plan.label, f"{c.plan.domain_size} x {c.plan.rail_size}", copies, seconds_human(c.cost.total),
+    label = c.plan.label + (" exact" if _exact(r, c) else "")
+    return [mark, label, f"{c.plan.domain_size} x {c.plan.rail_size}", copies, seconds_human(c.cost.total),
             f"{r.speedup(c):.2f}x", seconds_human(sum_of(P.PRE_COMPUTE, P.EXPERT_COMPUTE)),
             seconds_human(sum_of(P.TOKEN_A2A_FWD, P.TOKEN_A2A_BWD)),
             seconds_human(sum_of(P.EXPERT_ALLGATHER, P.SHARED_SYNC, P.REPLICA_WEIGHTS)),

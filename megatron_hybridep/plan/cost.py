@@ -17,6 +17,10 @@ Beyond the paper's stream model (paper_model.py) it counts, per MoE layer and mi
   (:func:`grad_return_exposed`); with ``early_return_rest_ratio`` (--hybridep-early-grad-return) the
   first M-1 micro-batches' returns hide behind the last micro-batch's forward and backward and only
   the rest's smaller payload is priced as above;
+- with compression, the codec's compute on the rank (``Workload.codec_seconds``: encode the own
+  experts and decode the borrowed ones and its own mirror per gather, encode the borrowed gradients
+  with error feedback and decode the returned ones per return), exposed in those two phases: on CPU
+  ranks it shares the training's cores (priced 0 under nccl);
 - how often those two run is the borrowed-copies mode (``Workload.borrowed_copies``, the runtime's
   --hybridep-borrowed-copies): "iteration" gathers in the first micro-batch only, keeps the copies
   for the iteration and returns the accumulated gradients once, in the last micro-batch's backward;
@@ -306,9 +310,16 @@ class CostModel:
 
         zero = PhaseCost.zero(net.L)
         ag = rs = rest = shared = zero
+        codec_w = codec_g = 0.0  # a rank's codec compute per layer and gather / return (CPU ranks only)
         if plan.kind == "domains":
             own = E // G
             if S > 1:
+                elems = own * w.expert_params / w.etp  # one rank's experts, one layer
+                if w.compression_ratio > 1:  # encode its own once, decode S - 1 members' and its own mirror
+                    codec_w = w.codec_seconds(elems, S * elems)
+                if w.grad_compression_ratio > 1:  # error feedback: encode + remove what was sent; owner decodes
+                    sends = 2 if w.splits_grad_return(mode) else 1
+                    codec_g = w.codec_seconds(sends * (S - 1) * elems, 2 * sends * (S - 1) * elems)
                 dom = domain_family(lay, S_world)
                 ag = net.ring(dom, (S - 1) * own * w.expert_wire_bytes, S - 1)
                 if w.grad_compression_ratio > 1 or w.backend == "gloo":  # chunks by all_to_all in the domain
@@ -333,7 +344,7 @@ class CostModel:
                            for i, a in enumerate(ag.level_seconds))
         a2a = a2a_total / Lm if disjoint else 0.0  # one all-to-all (mean over layers)
         first, later, restart = (max(0.0, ag.seconds - cover) for cover in (t_pre + a2a, t_pre + 2 * a2a, a2a))
-        gathers = first + (Lm - 1) * later + (mg - 1) * (restart + (Lm - 1) * later)
+        gathers = first + (Lm - 1) * later + (mg - 1) * (restart + (Lm - 1) * later) + Lm * mg * codec_w
         dense = self.dense_allreduce()
         # one micro-batch on this stage, forward and backward: what can hide the data-parallel
         # reductions; the token all-to-alls only where they use none of the reductions' links
@@ -356,14 +367,15 @@ class CostModel:
             Phase.EXPERT_ALLGATHER: gathers,
             Phase.GRAD_RETURN: (grad_return_exposed(w, rs.seconds, mg, b) if rest is zero else
                                 # the first M-1 micro-batches' returns cross during the last one's pass
-                                max(0.0, Lm * rs.seconds - (f + b)) + grad_return_exposed(w, rest.seconds, 1, b)),
+                                max(0.0, Lm * rs.seconds - (f + b)) + grad_return_exposed(w, rest.seconds, 1, b))
+            + Lm * mg * codec_g,
             Phase.SHARED_SYNC: Lm * shared.seconds,
             Phase.DENSE_GRAD_ALLREDUCE: dense_s,
             Phase.EXPERT_GRAD_ALLREDUCE: expert_s,
         }
         raw = {"t_pre": t_pre, "expert_fwd": expert_fwd / Lm, "a2a": a2a_total / Lm,
                Phase.EXPERT_ALLGATHER: ag.seconds, Phase.GRAD_RETURN: rs.seconds, "grad_return_rest": rest.seconds,
-               Phase.SHARED_SYNC: shared.seconds,
+               Phase.SHARED_SYNC: shared.seconds, "codec_weights": codec_w, "codec_grads": codec_g,
                Phase.DENSE_GRAD_ALLREDUCE: dense.seconds, Phase.EXPERT_GRAD_ALLREDUCE: allreduce.seconds,
                "dp_dense_buckets": float(buckets[0]), "dp_expert_buckets": float(buckets[1]),
                "dp_shares_a2a_links": float(shared_link)}

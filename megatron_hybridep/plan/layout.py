@@ -190,12 +190,12 @@ def tp_seconds(topology: Topology, workload: Workload) -> float:
 
 # ---- planning ------------------------------------------------------------------------------------------
 def plan_layout(topology: Topology, workload: Workload, layout: Layout, *,
-                memory_limit_bytes: float | None = None) -> LayoutResult:
+                memory_limit_bytes: float | None = None, offer_exact: bool = True) -> LayoutResult:
     """The best plan (and the best plan with and without hybridep) in one layout. The replicated plan
-    is left out: it is plain EP in the layout whose EP group is one DC."""
+    is left out: it is plain EP in the layout whose EP group is one DC. ``offer_exact``: choose_plan's."""
     w = layout_workload(workload, layout.tp, layout.pp)
     r = choose_plan(topology, w, layout.ep, memory_limit_bytes=memory_limit_bytes, include_replicated=False,
-                    check_memory=False)
+                    check_memory=False, offer_exact=offer_exact)
     fitting = [c for c in r.candidates if c.fits_memory]  # cheapest first
     best = fitting[0] if fitting else None
     megatron = next((c for c in fitting if not is_hybridep(c.plan)), None)
@@ -223,11 +223,13 @@ def prefer_megatron(results: list[LayoutResult], margin: float = PREFER_MEGATRON
 
 
 def plan_layouts(topology: Topology, workload: Workload, *, memory_limit_bytes: float | None = None,
-                 prefer_megatron_within: float = PREFER_MEGATRON_WITHIN) -> list[LayoutResult]:
+                 prefer_megatron_within: float = PREFER_MEGATRON_WITHIN,
+                 offer_exact: bool = True) -> list[LayoutResult]:
     """Every layout the topology admits with its best plan; those that fit first, fastest first, then
     those that do not fit, smallest first; the choice first (``prefer_megatron``). ``workload``: the
-    plain layout's (module doc)."""
-    results = [plan_layout(topology, workload, lay, memory_limit_bytes=memory_limit_bytes)
+    plain layout's (module doc). ``offer_exact``: with compression, each domain priced exact too
+    (choose_plan's; the bench's auto-c, which compresses every domain it runs, passes False)."""
+    results = [plan_layout(topology, workload, lay, memory_limit_bytes=memory_limit_bytes, offer_exact=offer_exact)
                for lay in enumerate_layouts(topology, workload)]
     if not results:
         raise PlanError(f"layout: no layout fits the shape of {topology.describe()} with {workload.layers} layers and "

@@ -33,6 +33,7 @@ class Candidate:
     plan: Plan
     cost: CostBreakdown
     fits_memory: bool = True
+    compressed: bool = False  # runs the workload's codec (borrowed copies travel compressed)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,12 @@ class PlanningResult:
     @property
     def chosen(self) -> Candidate:
         return next(c for c in self.candidates if c.plan == self.best)
+
+    @property
+    def compressed(self) -> bool:
+        """The chosen plan runs the workload's codec; False where compression was asked for but
+        the exact plan is priced at least as fast (the codec's compute, or a domain over the cap)."""
+        return self.chosen.compressed
 
     @property
     def plain_ep(self) -> Candidate:
@@ -67,8 +74,9 @@ class PlanningResult:
             "ep_levels": dict(zip(self.layout.names, self.layout.counts, strict=True)),
             "cost_model": self.cost_model,
             "best": self.best.to_dict(),
+            "compressed": self.compressed,
             "candidates": [{"label": c.plan.label, "kind": c.plan.kind, "domain_sizes": list(c.plan.domain_sizes),
-                            "fits_memory": c.fits_memory, "speedup_vs_ep": self.speedup(c),
+                            "fits_memory": c.fits_memory, "compressed": c.compressed, "speedup_vs_ep": self.speedup(c),
                             "cost": c.cost.to_dict()} for c in self.candidates],
             "paper": {"D": self.paper.D, "P": self.paper.P, "t_pre": self.paper.t_pre,
                       "layer_time": self.paper.layer_time,
@@ -103,7 +111,8 @@ def with_hot_plans(model: CostModel, plans: list[Plan], replica_budget: int | No
 
 def choose_plan(topology: Topology, workload: Workload, ep_size: int | None = None, *, cost: str = "ours",
                 include_replicated: bool = True, memory_limit_bytes: float | None = None,
-                replica_budget: int | None = None, check_memory: bool = True) -> PlanningResult:
+                replica_budget: int | None = None, check_memory: bool = True,
+                offer_exact: bool = True) -> PlanningResult:
     """Plan one EP group: every candidate plan (HybridEP domains, Megatron's EP, replicated experts,
     and their hot-replica variants) priced by one cost model, cheapest first. The public planning
     entry; torch-free.
@@ -117,6 +126,9 @@ def choose_plan(topology: Topology, workload: Workload, ep_size: int | None = No
         memory_limit_bytes: per-rank limit (default the topology's memory_gb_per_gpu); plans over it
             are refused unless ``check_memory`` is False.
         replica_budget: hot-expert replicas per rank (None: the experts a rank owns; 0: none).
+        offer_exact: with compression in the workload, price each HybridEP domain exact too and keep
+            the faster (``Candidate.compressed`` says which); False: every domain compressed, those
+            over the quality cap left out (a system that must compress, e.g. the bench's hybridep-c).
 
     Returns:
         PlanningResult: ``.best`` the chosen Plan (its ``predicted`` seconds per phase and
@@ -137,19 +149,31 @@ def choose_plan(topology: Topology, workload: Workload, ep_size: int | None = No
     stage.check_experts(workload.num_experts, ep_size)
     paper = PaperModel(stage, workload)
     model = ours if cost == "ours" else paper
-    plans = within_quality_cap(workload, enumerate_plans(layout, workload.num_experts,
-                                                         include_replicated and cost == "ours"))
+    plans = enumerate_plans(layout, workload.num_experts, include_replicated and cost == "ours")
+    # With compression asked, each HybridEP domain is priced both ways and runs the faster: the codec
+    # costs compute (CPU ranks) and quality, so it must pay; domains over the quality cap run exact.
+    exact = (CostModel(topology, workload.exact(), limit) if offer_exact and workload.compresses and cost == "ours"
+             else None)
+    if exact is None:
+        plans = within_quality_cap(workload, plans)
     if cost == "ours":
         plans = with_hot_plans(ours, plans, replica_budget)
+    capped = set(map(id, within_quality_cap(workload, plans)))
     cands = []
     for plan in plans:
-        c = model.evaluate(plan)
+        lossy = workload.compresses and plan.kind == "domains" and plan.domain_size > 1
+        c = model.evaluate(plan) if not lossy or exact is None or id(plan) in capped else None
+        if lossy and exact is not None:
+            e = exact.evaluate(plan)
+            if c is None or e.total <= c.total:
+                c, lossy = e, False
+        assert c is not None
         mem = c.memory if c.memory is not None else ours.memory(plan, layout)
         fits = limit is None or mem.total <= limit
         if c.memory is None:
             c = dataclasses.replace(c, memory=mem)
         plan = dataclasses.replace(plan, predicted=c.predicted(), link_bytes=c.link_bytes())
-        cands.append(Candidate(plan, c, fits))
+        cands.append(Candidate(plan, c, fits, lossy))
     # cheapest first; ties go to less memory, then smaller domains (fewer borrowed experts)
     cands.sort(key=lambda c: (check_memory and not c.fits_memory, c.cost.total,
                               c.cost.memory.total if c.cost.memory else 0, c.plan.domain_size, c.plan.kind))

@@ -39,6 +39,13 @@ QUALITY_WEIGHT_RATIO = 10.0
 # plans within it by default (--hybridep-max-compressed-domain).
 QUALITY_MAX_COMPRESSED_DOMAIN = 2
 
+# The codec's compute per element on a CPU rank in training: py-spy on the testbed (4 ranks on 2
+# cores, issue 25's expert-heavy model) puts encode at ~73 and decode at ~29 ns of a rank's wall time
+# per element (an idle core: ~15-23 and 3-13, `python benchmarks/codec.py --threads 1`; docs/cost_model.md).
+# On GPUs the kernels are launch bound and not yet measured (docs/gpu.md G3): priced as 0.
+CPU_ENCODE_NS = 70.0
+CPU_DECODE_NS = 30.0
+
 # Achieved dense TFLOP/s per rank when a model states none: an H100-class GPU, as pretrain_moe.py
 # assumes on GPU (train/planning.py). Every configs/models file states its own.
 DEFAULT_THROUGHPUT_TFLOPS = 300.0
@@ -99,6 +106,8 @@ class Workload:
     #   ranks computes 1 - 1/S of the routed tokens on compressed copies, and the loss cost grows with it
     compressed_expert_bytes: float | None = None  # bytes per shipped expert from a real codec (wins over ratio)
     compressed_grad_bytes: float | None = None    # bytes per returned expert gradient from a real codec
+    codec_encode_ns: float | None = None     # codec compute per element encoded / decoded on a rank (None: by
+    codec_decode_ns: float | None = None     #   backend, gloo CPU_ENCODE_NS / CPU_DECODE_NS, nccl 0)
     shared_sync_bytes_per_layer: float = 0.0  # bytes per MoE layer per iteration all-reduced over the EP group
     #   to refresh the shared expert (runtime SharedExpertRule.sync_bytes_per_step; 0 = frozen after init)
     routing_counts: Any = None               # tokens rank -> expert: (G, E) or (moe_layers, G, E) array
@@ -158,6 +167,9 @@ class Workload:
         for fld in ("compressed_expert_bytes", "compressed_grad_bytes"):
             need(getattr(self, fld) is None or getattr(self, fld) > 0, fld, "must be > 0",
                  "give the codec's bytes per expert, or leave it out")
+        for fld in ("codec_encode_ns", "codec_decode_ns"):
+            need(getattr(self, fld) is None or getattr(self, fld) >= 0, fld, "must be >= 0 (nanoseconds per element)",
+                 "leave it out for the backend's default")
         need(self.shared_sync_bytes_per_layer >= 0,
              "shared_sync_bytes_per_layer", "must be >= 0", "0 when the shared expert needs no communication")
         if self.routing_counts is not None:
@@ -337,6 +349,19 @@ class Workload:
             raise PlanError(f"model.routing_counts: {a.shape[-2]} rows but the EP group has {ep_size} ranks; "
                             f"fix: record counts with this EP size or pass --ep-size {a.shape[-2]}")
         return a if a.ndim == 3 else a[None]
+
+    def codec_seconds(self, encoded: float, decoded: float) -> float:
+        """A rank's codec compute for ``encoded`` and ``decoded`` elements (not overlapped: on CPU
+        ranks it runs on the cores the training shares)."""
+        gloo = self.backend == "gloo"
+        enc = self.codec_encode_ns if self.codec_encode_ns is not None else (CPU_ENCODE_NS if gloo else 0.0)
+        dec = self.codec_decode_ns if self.codec_decode_ns is not None else (CPU_DECODE_NS if gloo else 0.0)
+        return (encoded * enc + decoded * dec) * 1e-9
+
+    def exact(self) -> Workload:
+        """The same run with exact migration (no codec)."""
+        return self.replace(compression_ratio=1.0, grad_compression_ratio=1.0, compressed_expert_bytes=None,
+                            compressed_grad_bytes=None, early_return_rest_ratio=0.0)
 
     @property
     def compresses(self) -> bool:

@@ -20,6 +20,7 @@ FIELDS = {
     "sequence_parallel": "sequence_parallel", "overlap_grad_reduce": "overlap_grad_reduce",
     "overlap_param_gather": "overlap_param_gather", "ddp_bucket_size": "ddp_bucket_size",
     "max_compressed_domain": "max_compressed_domain", "early_grad_return": "early_return_rest_ratio",
+    "codec_encode_ns": "codec_encode_ns", "codec_decode_ns": "codec_decode_ns",
 }
 
 
@@ -43,6 +44,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, parallelism: bool
                       help="with compression, no domain of more than S ranks (0 = no cap): a domain of S ranks "
                            "computes 1 - 1/S of the routed tokens on compressed copies (pretrain_moe.py's "
                            "--hybridep-max-compressed-domain)")
+    what.add_argument("--codec-encode-ns", type=float, metavar="NS",
+                      help="the codec's compute per element encoded on a rank, priced in the gather and return "
+                           "(default 0, GPU ranks; pretrain_moe.py on CPU ranks prices 70 and --codec-decode-ns 30)")
+    what.add_argument("--codec-decode-ns", type=float, metavar="NS", help="the same per element decoded")
     what.add_argument("--expert-bytes", type=float, metavar="BYTES",
                       help="bytes per shipped expert measured from a codec (overrides --compression-ratio)")
     if grad_bytes:

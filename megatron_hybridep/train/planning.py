@@ -120,7 +120,8 @@ def ratio_notice(args: argparse.Namespace) -> str | None:
                      f"capped at {grad_ratio(args):g} (--hybridep-max-grad-compression-ratio): above it the returned "
                      "gradients cost model quality (docs/compression.md); raise the cap to accept that")
     if weight_ratio(args) > 1 and grad_ratio(args) > 1:
-        lines.append("[pretrain_moe] note: weights and returned gradients both compressed; on real text over "
+        lines.append("[pretrain_moe] note: weights and returned gradients both compressed where the plan compresses "
+                     "(the start-up log says whether it does); on real text over "
                      "1,200 steps, weights 10x + gradients 4x (bf16 values) cost +0.21% in loss at equal steps over "
                      "8 seeds, up to +1.4% on one seed, and ~1% more steps to the same loss (10x + 10x: +0.97%, "
                      "up to +2.2%, ~5% more steps; docs/compression.md)")
@@ -203,13 +204,27 @@ def _say_if_capped(work: Workload, result: PlanningResult, topo: Topology, ep: i
     if not (work.compresses and work.max_compressed_domain):
         return
     free = choose_plan(topo, work.replace(max_compressed_domain=0), ep)
-    if (free.best.kind == "domains" and free.best.domain_size > work.max_compressed_domain
+    if (free.compressed and free.best.domain_size > work.max_compressed_domain
             and free.chosen.cost.total < result.chosen.cost.total):
         warn_once(log, "hybridep: compressed domains capped at %d ranks (--hybridep-max-compressed-domain): running "
-                  "'%s' (%.4g s per iteration predicted); '%s' is predicted faster (%.4g s) but computes %.0f%% of "
-                  "the routed tokens on compressed copies, a larger loss cost (docs/compression.md); 0 lifts the cap",
-                  work.max_compressed_domain, result.best.label, result.chosen.cost.total, free.best.label,
-                  free.chosen.cost.total, 100 * free.best.borrowed_share)
+                  "'%s'%s (%.4g s per iteration predicted); '%s' compressed is predicted faster (%.4g s) but computes "
+                  "%.0f%% of the routed tokens on compressed copies, a larger loss cost (docs/compression.md); 0 "
+                  "lifts the cap", work.max_compressed_domain, result.best.label,
+                  "" if result.compressed or result.best.domain_size == 1 else " exact", result.chosen.cost.total,
+                  free.best.label, free.chosen.cost.total, 100 * free.best.borrowed_share)
+
+
+def _run_exact(args: argparse.Namespace, result: PlanningResult) -> None:
+    """Compression was asked for, but the planner priced the chosen domain exact at least as fast (the
+    codec's compute on CPU ranks, or a domain over --hybridep-max-compressed-domain): run it exact,
+    and say why in the start-up log (train/reporting.py)."""
+    lossy = [c for c in result.candidates if c.compressed]
+    rival = (f"; the best compressed plan, {lossy[0].plan.label}, {lossy[0].cost.total:.4g} s" if lossy
+             else "; no compressed plan is faster")
+    args.hybridep_exact_reason = (f"compression asked for, but '{result.best.label}' runs exact: priced "
+                                  f"{result.chosen.cost.total:.4g} s per iteration{rival} (the codec's compute and "
+                                  "quality must pay; a plan file, --hybridep-plan, keeps compression)")
+    args.hybridep_compression_ratio = args.hybridep_grad_compression_ratio = 1.0
 
 
 def choose(args: argparse.Namespace, world_size: int) -> PlanChoice:
@@ -234,6 +249,8 @@ def choose(args: argparse.Namespace, world_size: int) -> PlanChoice:
         _say_if_capped(work, result, topo, ep)
         if result.best.kind == "replicated":
             result = _runnable(result, ep)
+        if work.compresses and not result.compressed and result.best.domain_size > 1:
+            _run_exact(args, result)
         return PlanChoice(result.best, topo, result)
     if not os.path.exists(mode):
         raise PlanError(f"--hybridep-plan {mode!r}: not auto, ep, replicated or an existing plan file; fix: "

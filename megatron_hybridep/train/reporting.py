@@ -66,7 +66,10 @@ class Reporter:
             print(f"[pretrain_moe] plan: {p.label}; domains {list(p.domains)}; rails {list(p.rails)}"
                   + (f"; predicted {self.predicted * 1e3:.1f} ms/iter" if self.predicted else ""), flush=True)
             m = self.runtime.migration if self.runtime is not None else None
-            if m is not None and (m.compresses_weights or m.compresses_grads):
+            exact = getattr(self.args, "hybridep_exact_reason", None)
+            if exact:
+                print(f"[pretrain_moe] {exact}", flush=True)
+            elif m is not None and (m.compresses_weights or m.compresses_grads):
                 said = (f"compressed migration: {p.borrowed_share:.0%} of the routed tokens computed on compressed "
                         "copies (--hybridep-max-compressed-domain caps it; docs/compression.md)" if p.borrowed_share
                         else "compression asked for, but this plan borrows no experts: nothing is compressed, "

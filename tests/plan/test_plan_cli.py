@@ -131,9 +131,13 @@ def test_compressed_plans_state_their_share_and_the_cap(capsys):
     rc, out, _ = run(capsys, *base)
     assert rc == 0 and "domains dc4 gpu1 computes 75% of the routed tokens on compressed copies; no cap" in out
     rc, out, _ = run(capsys, *base, "--max-compressed-domain", "2", "--json")
-    assert rc == 0 and all(c["label"] in ("ep (S=1)", "domains dc2 gpu1", "domains dc1 gpu2")
-                           or c["label"].startswith("replicated") or " hot" in c["label"]
-                           for c in json.loads(out)["candidates"])
+    cands = json.loads(out)["candidates"]
+    # domains over the cap stay, exact (no quality cost); only those within it may compress
+    assert rc == 0 and {c["label"] for c in cands if c["compressed"]} <= {"domains dc2 gpu1", "domains dc1 gpu2"}
+    assert any(c["label"] == "domains dc4 gpu1" and not c["compressed"] for c in cands)
+    rc, out, _ = run(capsys, *base, "--codec-encode-ns", "1e6", "--codec-decode-ns", "0")  # a codec slower than links
+    assert rc == 0 and "domains dc4 gpu1 exact" in out and "'exact' plans are priced at least as fast" in out
+    assert "uses none" in out  # nothing runs compressed
     rc, out, _ = run(capsys, "--topology", T("4dc_x_8"), "--model", M("paper-l"), "--max-compressed-domain", "2")
     assert rc == 0 and "quality" not in out  # exact migration: nothing to say, nothing capped
 

@@ -147,16 +147,19 @@ def test_replan_switches_only_when_the_gain_beats_the_switch_cost():
 
 def test_a_compressed_domain_cap_drops_larger_domains_and_keeps_the_rest():
     """max_compressed_domain is a quality budget: with compression, no domain of more ranks is
-    planned (the loss cost grows with the 1 - 1/S share computed on compressed copies); EP, replicated
-    experts and smaller domains stay; exact migration is never capped."""
+    planned compressed (the loss cost grows with the 1 - 1/S share computed on compressed copies); they
+    stay as exact candidates (offer_exact=False drops them); EP, replicated experts and smaller domains
+    stay; exact migration is never capped."""
     t, w = topo("4dc_x_8"), model("paper-l", compression_ratio=50.0, grad_compression_ratio=10.0, tokens_per_rank=8192)
     free = choose_plan(t, w, 32)
-    assert free.best.kind == "domains" and free.best.domain_size == 4  # dc4 gpu1
-    capped = choose_plan(t, w.replace(max_compressed_domain=2), 32)
-    kept = {c.plan.base for c in capped.candidates}
-    assert all(p.kind != "domains" or p.domain_size <= 2 for p in kept)
-    assert {p.domain_sizes for p in kept if p.kind == "domains"} == {(1, 1), (2, 1), (1, 2)}
-    assert any(p.kind == "replicated" for p in kept) and capped.best != free.best
+    assert free.best.kind == "domains" and free.best.domain_size == 4 and free.compressed  # dc4 gpu1
+    for offer in (True, False):
+        capped = choose_plan(t, w.replace(max_compressed_domain=2), 32, offer_exact=offer)
+        lossy = {c.plan.base for c in capped.candidates if c.compressed}
+        assert {p.domain_sizes for p in lossy} == {(2, 1), (1, 2)}
+        kept = {c.plan.base for c in capped.candidates}
+        assert all(p.kind != "domains" or p.domain_size <= 2 for p in kept) != offer
+        assert any(p.kind == "replicated" for p in kept) and capped.best != free.best
     exact = w.replace(compression_ratio=1.0, grad_compression_ratio=1.0)
     assert len(choose_plan(t, exact.replace(max_compressed_domain=2), 32).candidates) == len(
         choose_plan(t, exact, 32).candidates)
@@ -169,3 +172,38 @@ def test_a_compressed_domain_cap_drops_larger_domains_and_keeps_the_rest():
 def test_borrowed_share_is_one_minus_one_over_the_domain(sizes, share):
     assert Plan.grid((4, 8), sizes, 32).borrowed_share == pytest.approx(share)
     assert Plan.replicated((4, 8), 32).borrowed_share == 0.0
+
+
+def test_the_codec_compute_is_priced_and_compression_must_pay_for_it():
+    """On CPU ranks the codec's encode and decode share the training's cores: priced per element in
+    the gather and return phases (not hidden), and with compression asked for a domain runs exact
+    where the codec costs more than the bytes it saves (issue 25, 2026-11-29: a compressed domain
+    priced 2% faster than plain EP ran 1.4x slower on the testbed)."""
+    from megatron_hybridep.plan.phases import Phase
+
+    t = topo("4dc_x_8")
+    w = model("paper-l", compression_ratio=10.0, grad_compression_ratio=4.0, tokens_per_rank=8192)
+    plan = Plan.grid((4, 8), (4, 1), w.num_experts)
+    free = CostModel(t, w.replace(codec_encode_ns=0.0, codec_decode_ns=0.0)).evaluate(plan)
+    priced = CostModel(t, w.replace(codec_encode_ns=50.0, codec_decode_ns=15.0)).evaluate(plan)
+    elems = w.num_experts // 32 * w.expert_params  # one rank's own experts, one layer
+    assert priced.raw["codec_weights"] == pytest.approx(elems * (50 + 4 * 15) * 1e-9)  # encode own, decode 3 + mirror
+    assert priced.raw["codec_grads"] == pytest.approx(3 * elems * (50 + 2 * 15) * 1e-9)  # + feedback, owner decodes
+    rounds = w.stage_moe_layers * (1 if priced.borrowed_copies == "iteration" else w.micro_batches)
+    for phase, key in ((Phase.EXPERT_ALLGATHER, "codec_weights"), (Phase.GRAD_RETURN, "codec_grads")):
+        assert priced.phases[phase] - free.phases[phase] == pytest.approx(rounds * priced.raw[key])
+    assert CostModel(t, w.exact().replace(codec_encode_ns=50.0)).evaluate(plan).raw["codec_weights"] == 0.0
+    # the default price by backend: CPU ranks pay, GPU kernels are priced 0 (not measured yet)
+    assert w.replace(backend="gloo").codec_seconds(1e9, 1e9) == pytest.approx(100.0) and w.codec_seconds(1e9, 1e9) == 0
+    with pytest.raises(PlanError, match="codec_encode_ns"):
+        w.replace(codec_encode_ns=-1.0)
+
+    fast = choose_plan(t, w, 32)
+    assert fast.compressed  # a free codec: compression pays on this WAN (ties go to exact: no quality cost)
+    slow = choose_plan(t, w.replace(codec_encode_ns=1e6), 32)  # a codec slower than any link
+    exact = choose_plan(t, w.exact(), 32)
+    assert not any(c.compressed for c in slow.candidates) and slow.best == exact.best
+    assert [c.cost.total for c in slow.candidates] == [c.cost.total for c in exact.candidates]
+    forced = choose_plan(t, w.replace(codec_encode_ns=1e6), 32, offer_exact=False)  # a system that must compress
+    assert forced.best.domain_size == 1 or forced.compressed
+    assert all(c.compressed for c in forced.candidates if c.plan.kind == "domains" and c.plan.domain_size > 1)

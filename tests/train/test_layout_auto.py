@@ -118,7 +118,9 @@ COMPRESSED_JOB = ["--config", "configs/presets/cpu_demo.yaml", "--num-layers", "
 def test_a_plain_layout_runs_its_plain_plan_not_the_stage_planners_choice(tmp_path, capsys):
     """The layout planner chose a layout without hybridep (a tie goes to Megatron); the job re-planned
     the stage with --hybridep-plan auto, which has no such margin, and ran a compressed domain inside
-    each DC: 1.55x slower than one stage per DC on the testbed (docs/results.md, 2026-11-29)."""
+    each DC: 1.55x slower than one stage per DC on the testbed (docs/results.md, 2026-11-29). Since the
+    codec's compute is priced the stage's planner agrees on CPU ranks; on GPU ranks (codec free) it
+    would still pick the domain, so the appended plan stays."""
     import pretrain_moe
     from megatron_hybridep.train.planning import choose
 
@@ -126,10 +128,13 @@ def test_a_plain_layout_runs_its_plain_plan_not_the_stage_planners_choice(tmp_pa
     topo.write_text(TOPOLOGY_10MBIT)
     argv = [*BASE, *COMPRESSED_JOB, "--hybridep-topology", str(topo)]
     no_layout = [*BASE, *COMPRESSED_JOB[:-2], "--hybridep-topology", str(topo)]  # without --hybridep-layout auto
-    before = pretrain_moe._args([*no_layout, "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                 "--expert-tensor-parallel-size", "1", "--pipeline-model-parallel-size", "2",
-                                 "--expert-model-parallel-size", "2"])
-    assert choose(before, 4).plan.domain_size == 2  # what the stage's planner alone picks
+    before_argv = [*no_layout, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                   "--expert-tensor-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+                   "--expert-model-parallel-size", "2"]
+    before = pretrain_moe._args(before_argv)
+    assert choose(before, 4).plan.label == "ep (S=1)"  # the stage's planner alone, the codec's compute priced
+    free_codec = pretrain_moe._args([*before_argv, "--distributed-backend", "nccl"])  # GPU ranks: the codec priced 0
+    assert choose(free_codec, 4).plan.domain_size == 2 and free_codec.hybridep_compression_ratio == 10
     final = _layout(argv)
     assert "plan ep (S=1)" in capsys.readouterr().out
     assert final[-4:] == ["--hybridep-plan", "ep", "--hybridep-layout", "off"]

@@ -24,7 +24,17 @@ BASE = [*TINY, "--train-iters", str(ITERS), "--hybridep-nproc", "2", "--expert-m
         "--mock-data", "--num-workers", "0", "--eval-interval", "1000", "--eval-iters", "0"]
 HYBRIDEP = ["--moe-token-dispatcher-type", "hybridep", "--hybridep-compression-ratio", "10",
             "--hybridep-grad-compression-ratio", "10", "--hybridep-shared-refresh-interval", "2"]
-FLAGS = [*BASE, *HYBRIDEP]
+
+
+@pytest.fixture(scope="module")
+def compressed(tmp_path_factory) -> list[str]:
+    """HybridEP with compression on one domain across the 2 DCs, pinned by a plan file: on CPU ranks the
+    planner would run that domain exact (the codec's compute costs more than it saves on loopback)."""
+    from megatron_hybridep.plan.plan import Plan
+
+    plan = str(tmp_path_factory.mktemp("plan") / "plan.json")
+    Plan.grid((2, 1), (2, 1), 8, ("dc", "gpu")).save(plan)
+    return [*BASE, *HYBRIDEP, "--hybridep-plan", plan]
 
 
 def _megatron_loop(ctx, argv: list[str]) -> tuple[list[float], dict[str, torch.Tensor]]:  # noqa: ANN001
@@ -77,9 +87,9 @@ def _uninterrupted(flags: tuple[str, ...]) -> list[tuple[list[float], dict[str, 
     # with float32 parameters Megatron's own load of its state fails, a view of a grad-requiring leaf)
     (["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce", "--bf16"], []),
 ], ids=["save", "evaluate-then-save", "distopt-overlap-bf16"])
-def test_megatron_loop_resumes_a_compressed_hybridep_run_bit_for_bit(training, around_save, tmp_path):
+def test_megatron_loop_resumes_a_compressed_hybridep_run_bit_for_bit(training, around_save, tmp_path, compressed):
     ckpt = str(tmp_path / "ckpt")
-    flags = [*FLAGS, *training]
+    flags = [*compressed, *training]
     uninterrupted = _uninterrupted(tuple(flags))
     stopped = _run([*flags, *around_save, "--save", ckpt, "--save-interval", "100", "--exit-interval", str(STOP)])
     assert all(len(losses) == STOP for losses, _ in stopped) and latest_iteration(ckpt) == STOP
@@ -92,18 +102,18 @@ def test_megatron_loop_resumes_a_compressed_hybridep_run_bit_for_bit(training, a
         assert diff == 0.0, f"parameters after the resume differ by up to {diff:.3g}"
 
 
-def test_checkpoints_move_between_hybridep_and_alltoall(tmp_path):
+def test_checkpoints_move_between_hybridep_and_alltoall(tmp_path, compressed):
     """The runtime's state is a part of its own: alltoall loads a hybridep checkpoint of Megatron's
     loop (and saves none), and hybridep resumes from that one with a fresh codec, and trains."""
     ckpt = str(tmp_path / "ckpt")
     save = ["--save", ckpt, "--save-interval", "100"]
-    _run([*FLAGS, *save, "--exit-interval", "2"])
+    _run([*compressed, *save, "--exit-interval", "2"])
     state = _runtime_state(ckpt, 2)
     assert state["step"] == 1 and state["layers"][0]["gathers"][0]["copies"] is not None
     alltoall = _run([*BASE, "--moe-token-dispatcher-type", "alltoall", "--load", ckpt, *save, "--exit-interval", "4"])
     assert all(len(losses) == 2 and all(map(math.isfinite, losses)) for losses, _ in alltoall)
     assert latest_iteration(ckpt) == 4 and not os.path.exists(os.path.join(ckpt, "iter_0000004", "hybridep"))
-    hybridep = _run([*FLAGS, "--load", ckpt])
+    hybridep = _run([*compressed, "--load", ckpt])
     assert all(len(losses) == 2 and all(map(math.isfinite, losses)) for losses, _ in hybridep)
 
 

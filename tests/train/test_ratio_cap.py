@@ -90,7 +90,7 @@ def test_the_compressed_domain_cap_reaches_the_planner_and_refuses_a_plan_file_o
     args = parse([*comp, "--hybridep-max-compressed-domain", "2"], default_config=PRESET)
     assert workload_for(args, 4).max_compressed_domain == 2 and workload_for(args, 4).compresses
     choice = choose(args, 4)
-    assert all(c.plan.kind != "domains" or c.plan.domain_size <= 2 for c in choice.result.candidates)
+    assert all(c.plan.domain_size <= 2 for c in choice.result.candidates if c.compressed)  # larger ones: exact
     assert parse(comp, default_config=PRESET).hybridep_max_compressed_domain == 2  # the default
     uncapped = choose(parse([*comp, "--hybridep-max-compressed-domain", "0"], default_config=PRESET), 4)
     assert any(c.plan.domain_size == 4 for c in uncapped.result.candidates if c.plan.kind == "domains")
@@ -111,13 +111,14 @@ def test_the_log_says_when_the_cap_kept_out_a_faster_domain(caplog):
     from megatron_hybridep.train.planning import choose
 
     argv = ["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio", "10",
-            "--hybridep-topology", str(ROOT / "configs" / "topologies" / "2dc_x_2.yaml"), "--micro-batch-size", "64"]
+            "--hybridep-topology", str(ROOT / "configs" / "topologies" / "2dc_x_2.yaml"), "--micro-batch-size", "64",
+            "--distributed-backend", "nccl"]  # GPU ranks: the codec's compute priced 0 (on CPU ranks it does not pay)
     free = choose(parse([*argv, "--hybridep-max-compressed-domain", "0"], default_config=PRESET), 4)
     assert free.plan.label == "domains dc2 gpu2", free.plan.label  # the premise: the widest domain wins
     with caplog.at_level(logging.WARNING, logger="hybridep.planning"):
         capped = choose(parse(argv, default_config=PRESET), 4)
-    assert capped.plan.kind != "domains" or capped.plan.domain_size <= 2
-    assert "capped at 2 ranks" in caplog.text and "'domains dc2 gpu2' is predicted faster" in caplog.text
+    assert capped.plan.domain_size <= 2 or not capped.result.compressed  # larger domains run exact
+    assert "capped at 2 ranks" in caplog.text and "'domains dc2 gpu2' compressed is predicted faster" in caplog.text
     assert "75% of the routed tokens" in caplog.text and "0 lifts the cap" in caplog.text
 
 
@@ -128,12 +129,20 @@ def test_the_start_up_log_states_the_share_on_compressed_copies(capsys):
     from megatron_hybridep.train.planning import choose
     from megatron_hybridep.train.reporting import Reporter
 
-    args = parse(["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio", "10",
-                  "--hybridep-plan", "auto"], default_config=PRESET)
+    comp = ["--hybridep-compression-ratio", "50", "--hybridep-grad-compression-ratio", "10", "--hybridep-plan", "auto"]
+    args = parse([*comp, "--distributed-backend", "nccl"], default_config=PRESET)  # GPU ranks: the codec priced 0
     choice = choose(args, 4)
-    assert choice.plan.domain_size == 2  # the demo's plan, within the default cap
+    assert choice.plan.domain_size == 2 and choice.result.compressed  # the demo's plan, within the default cap
     Reporter(args, choice, SimpleNamespace(migration=MigrationConfig(50.0, 10.0)), rank=0)
     assert "50% of the routed tokens computed on compressed copies" in capsys.readouterr().out
+    cpu = parse(comp, default_config=PRESET)  # CPU ranks: the codec's compute costs more than it saves here
+    choice = choose(cpu, 4)
+    assert choice.plan.domain_size == 2 and not choice.result.compressed  # the same domain, exact
+    assert (cpu.hybridep_compression_ratio, cpu.hybridep_grad_compression_ratio) == (1.0, 1.0)  # what runs
+    assert migration_from_args(cpu).compression_ratio == 1.0
+    Reporter(cpu, choice, SimpleNamespace(migration=migration_from_args(cpu)), rank=0)
+    out = capsys.readouterr().out
+    assert f"compression asked for, but '{choice.plan.label}' runs exact" in out and "compressed copies" not in out
     Reporter(args, choice, SimpleNamespace(migration=MigrationConfig()), rank=0)  # exact: nothing to say
     assert "compressed copies" not in capsys.readouterr().out
     plain = parse(["--hybridep-compression-ratio", "50", "--hybridep-plan", "ep"], default_config=PRESET)
