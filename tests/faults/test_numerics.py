@@ -12,6 +12,8 @@ from megatron_hybridep.train.launch import run_ranks
 def test_finite_tensors_pass():
     check_finite(torch.randn(10), "decoded copy", 0, 1, 2)
     check_rows(torch.randn(2, 3, 4), "gradient", 1, owners=[5, 6])
+    check_rows(torch.full((2, 3, 4), 3e38), "gradient", 1, owners=[5, 6])  # finite, though their sum overflows
+    check_rows(torch.full((2, 3, 4), 3e38, dtype=torch.bfloat16), "gradient", 1, owners=[5, 6])
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
