@@ -20,7 +20,7 @@ Beyond the paper's stream model (paper_model.py) it counts, per MoE layer and mi
 - with compression, the codec's compute on the rank (``Workload.codec_seconds``: encode the own
   experts and decode the borrowed ones and its own mirror per gather, encode the borrowed gradients
   with error feedback and decode the returned ones per return), exposed in those two phases: on CPU
-  ranks it shares the training's cores (priced 0 under nccl);
+  ranks it shares the training's cores (nccl: priced 0 by default, Workload.codec_seconds);
 - how often those two run is the borrowed-copies mode (``Workload.borrowed_copies``, the runtime's
   --hybridep-borrowed-copies): "iteration" gathers in the first micro-batch only, keeps the copies
   for the iteration and returns the accumulated gradients once, in the last micro-batch's backward;

@@ -93,12 +93,17 @@ def enumerate_plans(layout: EPLayout, num_experts: int, include_replicated: bool
     return plans
 
 
-def within_quality_cap(workload: Workload, plans: list[Plan]) -> list[Plan]:
-    """Without the compressed domains larger than ``workload.max_compressed_domain`` ranks (0, or
-    exact migration: all): a quality budget, since the loss cost grows with the share of tokens
-    computed on compressed copies (docs/compression.md). Megatron's EP (S = 1) always stays."""
+def over_quality_cap(workload: Workload, plan: Plan) -> bool:
+    """A compressed domain larger than ``workload.max_compressed_domain`` ranks (0, or exact
+    migration: none is): a quality budget, since the loss cost grows with the share of tokens
+    computed on compressed copies (docs/compression.md). Megatron's EP (S = 1) never is."""
     cap = workload.max_compressed_domain if workload.compresses else 0
-    return [p for p in plans if not cap or p.kind != "domains" or p.domain_size <= cap]
+    return bool(cap) and plan.kind == "domains" and plan.domain_size > cap
+
+
+def within_quality_cap(workload: Workload, plans: list[Plan]) -> list[Plan]:
+    """``plans`` without those over the quality cap (:func:`over_quality_cap`)."""
+    return [p for p in plans if not over_quality_cap(workload, p)]
 
 
 def with_hot_plans(model: CostModel, plans: list[Plan], replica_budget: int | None = None) -> list[Plan]:
@@ -158,11 +163,10 @@ def choose_plan(topology: Topology, workload: Workload, ep_size: int | None = No
         plans = within_quality_cap(workload, plans)
     if cost == "ours":
         plans = with_hot_plans(ours, plans, replica_budget)
-    capped = set(map(id, within_quality_cap(workload, plans)))
     cands = []
     for plan in plans:
         lossy = workload.compresses and plan.kind == "domains" and plan.domain_size > 1
-        c = model.evaluate(plan) if not lossy or exact is None or id(plan) in capped else None
+        c = None if lossy and exact is not None and over_quality_cap(workload, plan) else model.evaluate(plan)
         if lossy and exact is not None:
             e = exact.evaluate(plan)
             if c is None or e.total <= c.total:

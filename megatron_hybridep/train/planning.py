@@ -220,7 +220,7 @@ def _run_exact(args: argparse.Namespace, result: PlanningResult) -> None:
     and say why in the start-up log (train/reporting.py)."""
     lossy = [c for c in result.candidates if c.compressed]
     rival = (f"; the best compressed plan, {lossy[0].plan.label}, {lossy[0].cost.total:.4g} s" if lossy
-             else "; no compressed plan is faster")
+             else "; no domain is priced faster compressed")
     args.hybridep_exact_reason = (f"compression asked for, but '{result.best.label}' runs exact: priced "
                                   f"{result.chosen.cost.total:.4g} s per iteration{rival} (the codec's compute and "
                                   "quality must pay; a plan file, --hybridep-plan, keeps compression)")

@@ -359,7 +359,7 @@ def test_early_gradient_return_prices_the_rest_on_the_tail_and_both_payloads_on_
     fb = 3 * (split.raw["t_pre"] * Lm + split.raw["expert_fwd"] * Lm) + 4 * split.raw["a2a"] * Lm
     assert 0 < split.raw["grad_return_rest"] < split.raw["grad_return"] == one.raw["grad_return"]
     assert split.phases["grad_return"] == pytest.approx(
-        max(0.0, Lm * one.raw["grad_return"] - fb) + Lm * split.raw["grad_return_rest"])
+        max(0.0, Lm * one.raw["grad_return"] - fb) + Lm * split.raw["grad_return_rest"] + Lm * split.raw["codec_grads"])
     assert split.phases["grad_return"] < one.phases["grad_return"]
     wan = lambda c: c.levels[0].uplink_bytes  # noqa: E731
     assert wan(split) > wan(one)  # both payloads cross
