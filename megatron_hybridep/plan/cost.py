@@ -20,7 +20,7 @@ Beyond the paper's stream model (paper_model.py) it counts, per MoE layer and mi
 - with compression, the codec's compute on the rank (``Workload.codec_seconds``: encode the own
   experts and decode the borrowed ones and its own mirror per gather, encode the borrowed gradients
   with error feedback and decode the returned ones per return), exposed in those two phases: on CPU
-  ranks it shares the training's cores (nccl: priced 0 by default, Workload.codec_seconds);
+  ranks it shares the training's cores, on GPU ranks the training's stream;
 - how often those two run is the borrowed-copies mode (``Workload.borrowed_copies``, the runtime's
   --hybridep-borrowed-copies): "iteration" gathers in the first micro-batch only, keeps the copies
   for the iteration and returns the accumulated gradients once, in the last micro-batch's backward;
@@ -310,16 +310,11 @@ class CostModel:
 
         zero = PhaseCost.zero(net.L)
         ag = rs = rest = shared = zero
-        codec_w = codec_g = 0.0  # a rank's codec compute per layer and gather / return (CPU ranks only)
+        codec_w = codec_g = 0.0  # a rank's codec compute per layer and gather / return
         if plan.kind == "domains":
             own = E // G
             if S > 1:
-                elems = own * w.expert_params / w.etp  # one rank's experts, one layer
-                if w.compression_ratio > 1:  # encode its own once, decode S - 1 members' and its own mirror
-                    codec_w = w.codec_seconds(elems, S * elems)
-                if w.grad_compression_ratio > 1:  # error feedback: encode + remove what was sent; owner decodes
-                    sends = 2 if w.splits_grad_return(mode) else 1
-                    codec_g = w.codec_seconds(sends * (S - 1) * elems, 2 * sends * (S - 1) * elems)
+                codec_w, codec_g = codec_compute(w, S, own, mode)
                 dom = domain_family(lay, S_world)
                 ag = net.ring(dom, (S - 1) * own * w.expert_wire_bytes, S - 1)
                 if w.grad_compression_ratio > 1 or w.backend == "gloo":  # chunks by all_to_all in the domain
@@ -415,6 +410,19 @@ class CostModel:
             notes.append(f"borrowed copies: {why}")
         return CostBreakdown("ours", sum(phases.values()), phases, raw, tuple(levels),
                              self.memory(plan, lay, mode), tuple(notes), mode, why)
+
+
+def codec_compute(w: Workload, S: int, own: int, mode: str) -> tuple[float, float]:
+    """A rank's codec compute per MoE layer in a compressed domain of S ranks owning ``own`` experts
+    each: (per gather: encode its own experts, decode the S - 1 members' and its own mirror; per
+    return: encode the S - 1 borrowed gradients and remove what was sent (error feedback), and the
+    owner's decode of the S - 1 payloads it receives). 0 for what travels exact."""
+    elems = own * w.expert_params / w.etp
+    gather = w.codec_seconds(elems, S * elems) if w.compression_ratio > 1 else 0.0
+    sends = 2 if w.splits_grad_return(mode) else 1
+    ret = (w.codec_seconds(sends * (S - 1) * elems, 2 * sends * (S - 1) * elems)
+           if w.grad_compression_ratio > 1 else 0.0)
+    return gather, ret
 
 
 def grad_return_exposed(w: Workload, one: float, returns: int, bwd: float) -> float:

@@ -42,9 +42,10 @@ QUALITY_MAX_COMPRESSED_DOMAIN = 2
 # The codec's compute per element on a CPU rank in training: py-spy on the testbed (4 ranks on 2
 # cores, issue 25's expert-heavy model) puts encode at ~73 and decode at ~29 ns of a rank's wall time
 # per element (an idle core: ~15-23 and 3-13, `python benchmarks/codec.py --threads 1`; docs/cost_model.md).
-# GPU ranks are priced 0: not yet, as the simulator does not price the codec either (an H200's batched
-# Triton codec adds 2.3-2.8 ms per layer at the paper's 8.4M and ~13 ms at DeepSeek-V3 size, docs/gpu.md).
+# On an H200 the batched Triton codec encodes a DeepSeek-V3-size layer (8 x 44M) in 7.9 ms and decodes
+# in ~5 ms, and adds 2.3-2.8 ms per layer at the paper's 8.4M (docs/gpu.md, "Batched encode").
 CPU_ENCODE_NS, CPU_DECODE_NS = 70.0, 30.0
+GPU_ENCODE_NS, GPU_DECODE_NS = 0.025, 0.015
 
 # Achieved dense TFLOP/s per rank when a model states none: an H100-class GPU, as pretrain_moe.py
 # assumes on GPU (train/planning.py). Every configs/models file states its own.
@@ -107,7 +108,7 @@ class Workload:
     compressed_expert_bytes: float | None = None  # bytes per shipped expert from a real codec (wins over ratio)
     compressed_grad_bytes: float | None = None    # bytes per returned expert gradient from a real codec
     codec_encode_ns: float | None = None     # codec compute per element encoded / decoded on a rank (None: by
-    codec_decode_ns: float | None = None     #   backend, gloo CPU_*_NS, nccl 0)
+    codec_decode_ns: float | None = None     #   backend: gloo CPU_*_NS, nccl GPU_*_NS)
     shared_sync_bytes_per_layer: float = 0.0  # bytes per MoE layer per iteration all-reduced over the EP group
     #   to refresh the shared expert (runtime SharedExpertRule.sync_bytes_per_step; 0 = frozen after init)
     routing_counts: Any = None               # tokens rank -> expert: (G, E) or (moe_layers, G, E) array
@@ -352,10 +353,10 @@ class Workload:
 
     def codec_seconds(self, encoded: float, decoded: float) -> float:
         """A rank's codec compute for ``encoded`` and ``decoded`` elements (not overlapped: on CPU
-        ranks it runs on the cores the training shares)."""
+        ranks it runs on the cores the training shares, on a GPU in the training's stream)."""
         gloo = self.backend == "gloo"
-        enc = self.codec_encode_ns if self.codec_encode_ns is not None else (CPU_ENCODE_NS if gloo else 0.0)
-        dec = self.codec_decode_ns if self.codec_decode_ns is not None else (CPU_DECODE_NS if gloo else 0.0)
+        enc = self.codec_encode_ns if self.codec_encode_ns is not None else (CPU_ENCODE_NS if gloo else GPU_ENCODE_NS)
+        dec = self.codec_decode_ns if self.codec_decode_ns is not None else (CPU_DECODE_NS if gloo else GPU_DECODE_NS)
         return (encoded * enc + decoded * dec) * 1e-9
 
     def exact(self) -> Workload:

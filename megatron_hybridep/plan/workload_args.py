@@ -46,7 +46,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, parallelism: bool
                            "--hybridep-max-compressed-domain)")
     what.add_argument("--codec-encode-ns", type=float, metavar="NS",
                       help="the codec's compute per element encoded on a rank, priced in the gather and return "
-                           "(default 0: GPU ranks, not priced yet; pretrain_moe.py on CPU ranks prices 70, and "
+                           "(default 0.025, an H200's Triton codec; pretrain_moe.py on CPU ranks prices 70, and "
                            "--codec-decode-ns 30)")
     what.add_argument("--codec-decode-ns", type=float, metavar="NS", help="the same per element decoded")
     what.add_argument("--expert-bytes", type=float, metavar="BYTES",

@@ -31,7 +31,9 @@
   micro-batches after the first, started at its MoE block, hides behind nothing; in the backward
   the replicas' gradients go back to the owners (blocking) after the dispatch's transpose, before
   attention's backward.
-Not modelled: the codec's encode/decode compute (fused with the optimizer step / the expert GEMM).
+- compression: the codec's compute (plan/cost.py ``codec_compute``) runs where nothing is in flight,
+  once per gather after the wait (the encode after the optimizer step is counted there too) and once
+  per return before it, as tier b prices it: exposed.
 
 Tier b (plan/cost.py) is the closed form of ``runtime`` in both modes. ``paper`` is the paper's stream
 model as a schedule: layer l's gather starts with layer l's T_pre and is waited for before the
@@ -82,6 +84,8 @@ class LayerWork:
     expert: float                # forward expert compute (busiest rank)
     dispatch: str                # collective names
     combine: str
+    codec_gather: float = 0.0    # the codec's compute per gather / per return (compressed domains)
+    codec_return: float = 0.0
 
 
 def build_program(layers: Sequence[LayerWork], micro_batches: int, *, gather: str | None,
@@ -135,6 +139,8 @@ def build_program(layers: Sequence[LayerWork], micro_batches: int, *, gather: st
     def wait_gather(at: Callable[..., Instr], mb: int, layer: int) -> None:
         if gathers(mb):
             add(at(WAIT, Phase.EXPERT_ALLGATHER, op=key(gather, mb, layer)))
+            if runtime and layers[layer].codec_gather:  # the paper's model has no codec
+                add(at(COMPUTE, Phase.EXPERT_ALLGATHER, seconds=layers[layer].codec_gather))
 
     def wait_replicas(at: Callable[..., Instr], mb: int, layer: int) -> None:
         if exchanges(mb):
@@ -173,6 +179,8 @@ def build_program(layers: Sequence[LayerWork], micro_batches: int, *, gather: st
             add(at(BLOCK, Phase.TOKEN_A2A_BWD, op=w.dispatch))    # combine's transpose: same direction as dispatch
             add(at(COMPUTE, Phase.EXPERT_COMPUTE, seconds=2 * w.expert))
             if returns(mb):
+                if runtime and w.codec_return:
+                    add(at(COMPUTE, Phase.GRAD_RETURN, seconds=w.codec_return))
                 add(at(BLOCK, Phase.GRAD_RETURN, op=grad_return))
             add(at(BLOCK, Phase.TOKEN_A2A_BWD, op=w.combine))     # dispatch's transpose
             if gives_back(mb):  # _Exchanged.backward: needs the dispatch's input gradient

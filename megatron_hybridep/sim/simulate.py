@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_hybridep.plan.cost import CostModel, check_plan, data_parallel_exposed
+from megatron_hybridep.plan.cost import CostModel, check_plan, codec_compute, data_parallel_exposed
 from megatron_hybridep.plan.hot import REPLICA_PHASES
 from megatron_hybridep.plan.network import (
     Family,
@@ -153,6 +153,8 @@ def ep_collectives(topology: Topology, workload: Workload, plan: Plan, lay: EPLa
         else:                               # reduce_scatter: a ring
             colls.append(Collective(Phase.GRAD_RETURN, RING, dom, (S - 1) * own * w.returned_grad_bytes(mode), S - 1))
         names.update(gather="gather", grad_return=Phase.GRAD_RETURN)
+        codec_gather, codec_return = codec_compute(w, S, own, mode)
+        layers = [dataclasses.replace(lw, codec_gather=codec_gather, codec_return=codec_return) for lw in layers]
     if names["gather"] is not None and w.shared_sync_bytes:  # refreshed by DomainGather.start(): domains of S > 1
         group = _local(domain_family(lay, lay.extent), o)
         colls.append(Collective(Phase.SHARED_SYNC, RING, group, 2 * (G - 1) / G * w.shared_sync_bytes, 2 * (G - 1)))

@@ -156,7 +156,7 @@ def test_a_compressed_domain_cap_drops_larger_domains_and_keeps_the_rest():
     for offer in (True, False):
         capped = choose_plan(t, w.replace(max_compressed_domain=2), 32, offer_exact=offer)
         lossy = {c.plan.base for c in capped.candidates if c.compressed}
-        assert {p.domain_sizes for p in lossy} == {(2, 1), (1, 2)}
+        assert (2, 1) in {p.domain_sizes for p in lossy} <= {(2, 1), (1, 2)}  # (1, 2) inside a DC may run exact
         kept = {c.plan.base for c in capped.candidates}
         assert all(p.kind != "domains" or p.domain_size <= 2 for p in kept) != offer
         assert any(p.kind == "replicated" for p in kept) and capped.best != free.best
@@ -193,9 +193,9 @@ def test_the_codec_compute_is_priced_and_compression_must_pay_for_it():
     for phase, key in ((Phase.EXPERT_ALLGATHER, "codec_weights"), (Phase.GRAD_RETURN, "codec_grads")):
         assert priced.phases[phase] - free.phases[phase] == pytest.approx(rounds * priced.raw[key])
     assert CostModel(t, w.exact().replace(codec_encode_ns=50.0)).evaluate(plan).raw["codec_weights"] == 0.0
-    # the default price by backend: CPU ranks' torch ops; GPU ranks not priced yet (nor by the simulator)
+    # the default price by backend: CPU ranks' torch ops, GPU ranks' Triton kernels (measured on an H200)
     assert w.replace(backend="gloo").codec_seconds(1e9, 1e9) == pytest.approx(100.0)
-    assert w.codec_seconds(1e9, 1e9) == 0
+    assert w.codec_seconds(1e9, 1e9) == pytest.approx(0.04)
     with pytest.raises(PlanError, match="codec_encode_ns"):
         w.replace(codec_encode_ns=-1.0)
 

@@ -132,7 +132,7 @@ def test_replica_exchange_in_runtime_order():
                 (layer, mb, stage)]
 
     assert main(0, 1, "fwd") == ["pre_compute", "replica_weights", "token_a2a_fwd", "expert_allgather",
-                                 "expert_compute", "token_a2a_fwd"]
+                                 "expert_allgather", "expert_compute", "token_a2a_fwd"]  # the wait, then the codec
     assert main(1, 0, "bwd") == ["token_a2a_bwd", "expert_compute", "grad_return", "token_a2a_bwd",
                                  "replica_grad_return", "pre_compute"]
     issued = {(s.name, s.layer, s.micro_batch): s.start for s in r.timeline if s.kind == "async"}

@@ -51,8 +51,11 @@ def test_gather_hides_behind_compute_when_it_fits_and_is_exposed_when_not():
     topo = two_level(4, 2, wan=10, lan=100)
     plan = domains(topo, 8, (4, 1), 16)  # every DC in one domain: no token crosses the WAN
     small = workload(16, compression_ratio=1000, grad_compression_ratio=1000, t_pre_ms=50.0)
-    r = simulate(topo, small, plan)
+    r = simulate(topo, small.replace(codec_encode_ns=0.0, codec_decode_ns=0.0), plan)  # the network alone
     assert r.phases["expert_allgather"] == 0.0
+    priced = simulate(topo, small, plan)  # the codec's compute runs after the wait, exposed as tier b prices it
+    assert priced.phases["expert_allgather"] == pytest.approx(CostModel(topo, small).evaluate(plan).raw[
+        "codec_weights"] * small.stage_moe_layers)
     assert r.ops["gather"].busy_seconds > 0  # it ran, hidden
     big = workload(16, t_pre_ms=0.01)  # exact 0.5 MB experts, almost no compute to hide behind
     r = simulate(topo, big, plan)
