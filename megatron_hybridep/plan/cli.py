@@ -15,6 +15,7 @@ from megatron_hybridep.plan.planner import (
     PlanningResult,
     choose_plan,
     choose_plan_all_ep_sizes,
+    compressible,
 )
 from megatron_hybridep.plan.topology import Topology
 from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO, QUALITY_WEIGHT_RATIO, Workload
@@ -265,7 +266,7 @@ def _pipeline_line(w: Workload) -> str:
 
 def _exact(r: PlanningResult, c: Candidate) -> bool:
     """A HybridEP domain that runs without the codec although compression was asked for."""
-    return r.workload.compresses and not c.compressed and c.plan.kind == "domains" and c.plan.domain_size > 1
+    return compressible(r.workload, c.plan) and not c.compressed
 
 
 def _row(r: PlanningResult, c: Candidate, wan: str) -> list[str]:

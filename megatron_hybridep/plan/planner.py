@@ -93,12 +93,17 @@ def enumerate_plans(layout: EPLayout, num_experts: int, include_replicated: bool
     return plans
 
 
+def compressible(workload: Workload, plan: Plan) -> bool:
+    """A HybridEP domain (S > 1) whose borrowed copies the workload's codec would compress."""
+    return workload.compresses and plan.kind == "domains" and plan.domain_size > 1
+
+
 def over_quality_cap(workload: Workload, plan: Plan) -> bool:
-    """A compressed domain larger than ``workload.max_compressed_domain`` ranks (0, or exact
-    migration: none is): a quality budget, since the loss cost grows with the share of tokens
-    computed on compressed copies (docs/compression.md). Megatron's EP (S = 1) never is."""
-    cap = workload.max_compressed_domain if workload.compresses else 0
-    return bool(cap) and plan.kind == "domains" and plan.domain_size > cap
+    """A compressed domain larger than ``workload.max_compressed_domain`` ranks (0: none is): a
+    quality budget, since the loss cost grows with the share of tokens computed on compressed
+    copies (docs/compression.md). Megatron's EP (S = 1) never is."""
+    cap = workload.max_compressed_domain
+    return bool(cap) and compressible(workload, plan) and plan.domain_size > cap
 
 
 def within_quality_cap(workload: Workload, plans: list[Plan]) -> list[Plan]:
@@ -165,7 +170,7 @@ def choose_plan(topology: Topology, workload: Workload, ep_size: int | None = No
         plans = with_hot_plans(ours, plans, replica_budget)
     cands = []
     for plan in plans:
-        lossy = workload.compresses and plan.kind == "domains" and plan.domain_size > 1
+        lossy = compressible(workload, plan)
         c = None if lossy and exact is not None and over_quality_cap(workload, plan) else model.evaluate(plan)
         if lossy and exact is not None:
             e = exact.evaluate(plan)

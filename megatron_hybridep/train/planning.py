@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_hybridep.plan.plan import Plan, PlanError
-from megatron_hybridep.plan.planner import PlanningResult, choose_plan
+from megatron_hybridep.plan.planner import PlanningResult, choose_plan, compressible
 from megatron_hybridep.plan.topology import Topology
 from megatron_hybridep.plan.workload import GRAD_VALUE_BYTES, Workload
 from megatron_hybridep.runtime.logs import warn_once
@@ -249,7 +249,7 @@ def choose(args: argparse.Namespace, world_size: int) -> PlanChoice:
         _say_if_capped(work, result, topo, ep)
         if result.best.kind == "replicated":
             result = _runnable(result, ep)
-        if work.compresses and not result.compressed and result.best.domain_size > 1:
+        if compressible(work, result.best) and not result.compressed:
             _run_exact(args, result)
         return PlanChoice(result.best, topo, result)
     if not os.path.exists(mode):
