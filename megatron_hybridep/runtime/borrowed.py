@@ -115,6 +115,34 @@ class OwedGradient:
         self.deferred = 0
 
 
+class _Views(torch.autograd.Function):
+    """flat -> views of consecutive slices; backward: one flat gradient. Autograd's own slicing would
+    give every view a zero-filled gradient of the whole buffer and add them all (a domain's 16
+    expert tensors: 16 fills and adds of the buffer per backward, ~20% of a CPU rank's time)."""
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, spans: tuple[tuple[int, torch.Size], ...]) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+        ctx.set_materialize_grads(False)
+        ctx.spans, ctx.numel = spans, flat.numel()
+        return tuple(flat[start:start + shape.numel()].view(shape) for start, shape in spans)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):  # noqa: ANN001, ANN205
+        present = [g for g in grads if g is not None]
+        if not present:
+            return None, None
+        out = present[0].new_zeros(ctx.numel)
+        for (start, shape), g in zip(ctx.spans, grads, strict=True):
+            if g is not None:
+                out[start:start + shape.numel()].view(shape).copy_(g)
+        return out, None
+
+
+def views_of(flat: torch.Tensor, spans: Sequence[tuple[int, torch.Size]]) -> tuple[torch.Tensor, ...]:
+    """Views of ``flat`` at (start, shape) spans (non-overlapping), differentiable as one node."""
+    return _Views.apply(flat, tuple((int(start), torch.Size(shape)) for start, shape in spans))
+
+
 def split_like(flat: torch.Tensor | None, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
     """A flat gradient as one tensor per parameter (in the parameters' dtype), or all None."""
     if flat is None:

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hybridep.plan.phases import Phase
+from megatron_hybridep.runtime.borrowed import views_of
 from megatron_hybridep.runtime.compression import (
     ErrorFeedbackTopK,
     SharedExpertRule,
@@ -309,16 +310,14 @@ class DomainGather(ExpertExchange):
             buffer = self._finish(pending)
             self._copy, self._copy_key = (buffer, pending.key) if self.config.hold_copies else (None, None)
         gathered = _Gathered.apply(buffer, self, *self.params)
-        out: list[dict[str, torch.Tensor] | None] = []
-        for q, chunk in enumerate(gathered.split(self.numel)):
-            if q == self.position:
-                out.append(None)
-                continue
-            views, offset = {}, 0
-            for name, p in zip(self.names, self.params, strict=True):
-                views[name] = chunk[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
-            out.append(views)
+        peers = [q for q in range(self.size) if q != self.position]
+        spans, offset = [], 0
+        for p in self.params:
+            spans.append((offset, p.shape))
+            offset += p.numel()
+        tensors = iter(views_of(gathered, [(q * self.numel + start, shape) for q in peers for start, shape in spans]))
+        out: list[dict[str, torch.Tensor] | None] = [
+            None if q == self.position else {name: next(tensors) for name in self.names} for q in range(self.size)]
         if self.wgrad.enabled:
             self.wgrad.attach(gathered, [v for views in out if views is not None for v in views.values()], self.params)
         return out

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_hybridep.plan.phases import Phase
 from megatron_hybridep.plan.plan import Plan
+from megatron_hybridep.runtime.borrowed import views_of
 from megatron_hybridep.runtime.exchange import ExpertExchange
 from megatron_hybridep.runtime.instrument import Stats
 
@@ -99,15 +100,14 @@ class ReplicaExchange(ExpertExchange):
             recv = self._finish(pending)
             self._copy, self._copy_key = (recv, pending.key) if self.hold else (None, None)
         hidden, recv = _Exchanged.apply(hidden, recv, self, *self.params)
-        shapes = [p.shape for p in self.params[: self.per_param]]
-        out = []
-        for e, row in zip(self.experts, recv.view(len(self.experts), self.row) if self.experts else (), strict=True):
-            tensors, offset = [], 0
-            for shape in shapes:
-                n = shape.numel()
-                tensors.append(row[offset:offset + n].view(shape))
-                offset += n
-            out.append((e, tensors))
+        spans, offset = [], 0
+        for p in self.params[: self.per_param]:
+            spans.append((offset, p.shape))
+            offset += p.numel()
+        tensors = views_of(recv, [(i * self.row + start, shape) for i in range(len(self.experts))
+                                  for start, shape in spans])
+        k = len(spans)
+        out = [(e, list(tensors[i * k:(i + 1) * k])) for i, e in enumerate(self.experts)]
         if self.wgrad.enabled:
             self.wgrad.attach(recv, [t for _, tensors in out for t in tensors], self.params)
         return hidden, out
