@@ -70,14 +70,25 @@ class MarkovCorpus:
     def batch(self, batch_size: int, seq_len: int, stream: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, labels) of shape [batch, seq]; deterministic in (seed, stream, step) so runs
         resume exactly and each data-parallel stream sees different text."""
-        succ, probs = self.transitions()
         rng = np.random.default_rng([self.seed, stream, step])
-        cum = probs.cumsum(axis=1)
+        first = rng.integers(0, self.vocab_size, (batch_size, self.order))
+        return self._walk(first, rng.random((batch_size, seq_len)))
+
+    def rows(self, seq_len: int, stream: int, steps: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence per step, each ``batch(1, seq_len, stream, step)``, walked together."""
+        draws = [np.random.default_rng([self.seed, stream, step]) for step in steps]
+        first = np.concatenate([rng.integers(0, self.vocab_size, (1, self.order)) for rng in draws])
+        return self._walk(first, np.concatenate([rng.random((1, seq_len)) for rng in draws]))
+
+    def _walk(self, first: np.ndarray, u: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chain from each row's first ``order`` tokens, one uniform draw per step."""
+        succ, _ = self.transitions()
+        cum = _cumulative(self.vocab_size, self.branching, self.seed, self.order)
         v, k = self.vocab_size, self.order
-        seq = np.empty((batch_size, seq_len + k), dtype=np.int64)
-        seq[:, :k] = rng.integers(0, v, (batch_size, k))
-        u = rng.random((batch_size, seq_len))
-        ctx = np.zeros(batch_size, dtype=np.int64)
+        rows, seq_len = u.shape
+        seq = np.empty((rows, seq_len + k), dtype=np.int64)
+        seq[:, :k] = first
+        ctx = np.zeros(rows, dtype=np.int64)
         for j in range(k):
             ctx = ctx * v + seq[:, j]
         for t in range(seq_len):
@@ -87,3 +98,8 @@ class MarkovCorpus:
             ctx = (ctx * v + nxt) % (v**k)
         data = torch.from_numpy(seq[:, k - 1:])
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+@functools.cache
+def _cumulative(vocab_size: int, branching: int, seed: int, order: int) -> np.ndarray:
+    return _transitions(vocab_size, branching, seed, order)[1].cumsum(axis=1)

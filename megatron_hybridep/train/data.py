@@ -38,8 +38,7 @@ def train_batches(args: argparse.Namespace, start_iteration: int = 0) -> Iterato
         while True:
             for m in range(micro):
                 first = sample + (m * dp_size + dp_rank) * args.micro_batch_size
-                rows = [c.batch(1, args.seq_length, 0, first + j) for j in range(args.micro_batch_size)]
-                yield torch.cat([t for t, _ in rows]), torch.cat([lab for _, lab in rows])
+                yield c.rows(args.seq_length, 0, [first + j for j in range(args.micro_batch_size)])
             sample += args.global_batch_size
     dataset = _megatron_dataset(args, kind)
     while True:
