@@ -124,6 +124,13 @@ class _Views(torch.autograd.Function):
     def forward(ctx, flat: torch.Tensor, spans: tuple[tuple[int, torch.Size], ...]) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
         ctx.set_materialize_grads(False)
         ctx.spans, ctx.numel = spans, flat.numel()
+        ctx.gaps, end = [], 0  # what no view covers (a domain's own chunk): zeroed, the rest written once
+        for start, shape in sorted(spans):
+            if start > end:
+                ctx.gaps.append((end, start))
+            end = max(end, start + shape.numel())
+        if end < ctx.numel:
+            ctx.gaps.append((end, ctx.numel))
         return tuple(flat[start:start + shape.numel()].view(shape) for start, shape in spans)
 
     @staticmethod
@@ -131,10 +138,12 @@ class _Views(torch.autograd.Function):
         present = [g for g in grads if g is not None]
         if not present:
             return None, None
-        out = present[0].new_zeros(ctx.numel)
+        out = present[0].new_empty(ctx.numel)
+        for start, end in ctx.gaps:
+            out[start:end].zero_()
         for (start, shape), g in zip(ctx.spans, grads, strict=True):
-            if g is not None:
-                out[start:start + shape.numel()].view(shape).copy_(g)
+            span = out[start:start + shape.numel()]
+            span.zero_() if g is None else span.view(shape).copy_(g)
         return out, None
 
 
