@@ -13,6 +13,7 @@ Subclasses implement the abstract ``start``, ``_launch_return``, ``drop`` and ``
 
 from __future__ import annotations
 
+import itertools
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -63,7 +64,10 @@ class ExpertExchange(ABC):
         self.names = [n for n, _ in ordered]
         self.params = [p for _, p in ordered]
         self.num_local, self.layer, self.stats, self.levels, self.hold = num_local, layer, stats, levels, hold
-        self.numel = sum(p.numel() for p in self.params)
+        sizes = [p.numel() for p in self.params]
+        self.numel = sum(sizes)
+        # where each parameter sits in this rank's flat buffer: (offset, shape), expert by expert
+        self.spans = tuple(zip(itertools.accumulate([0, *sizes[:-1]]), (p.shape for p in self.params), strict=True))
         self.row = self.numel // num_local  # elements per expert
         self._pending: Any = None  # the collective in flight, if any
         # the copy of this optimizer step (hold) and the version of the owners' parameters it carries

@@ -197,6 +197,9 @@ class DomainGather(ExpertExchange):
         self.wire_bytes_per_rank = (num_local * self.codec.nbytes(self.row, dtype) if self.codec is not None
                                     else self.numel * self.params[0].element_size())
         self._step = 0
+        # the borrowed copies in the gathered buffer: every peer's chunk laid out like this rank's
+        self._peer_spans = tuple((q * self.numel + start, shape) for q in range(self.size) if q != position
+                                 for start, shape in self.spans)
         # incremental compression: what the peers hold of this rank's experts [L, row], and what this
         # rank holds of every position [S, L, row] (own slot unused); None = rebuild from the shared base
         self._held: torch.Tensor | None = None
@@ -310,12 +313,7 @@ class DomainGather(ExpertExchange):
             buffer = self._finish(pending)
             self._copy, self._copy_key = (buffer, pending.key) if self.config.hold_copies else (None, None)
         gathered = _Gathered.apply(buffer, self, *self.params)
-        peers = [q for q in range(self.size) if q != self.position]
-        spans, offset = [], 0
-        for p in self.params:
-            spans.append((offset, p.shape))
-            offset += p.numel()
-        tensors = iter(views_of(gathered, [(q * self.numel + start, shape) for q in peers for start, shape in spans]))
+        tensors = iter(views_of(gathered, self._peer_spans))
         out: list[dict[str, torch.Tensor] | None] = [
             None if q == self.position else {name: next(tensors) for name in self.names} for q in range(self.size)]
         if self.wgrad.enabled:

@@ -71,6 +71,9 @@ class ReplicaExchange(ExpertExchange):
         self.in_splits = [self.row * sum(1 for e, r in pairs if r == q and e // L == me) for q in range(G)]
         self.out_splits = [self.row * sum(1 for e in self.experts if e // L == q) for q in range(G)]
         self._step_of = step or (lambda: 0)  # the runtime's optimizer-step count
+        # each received replica is a row laid out like one local expert's parameters
+        self._replica_spans = tuple((i * self.row + start, shape) for i in range(len(self.experts))
+                                    for start, shape in self.spans[: self.per_param])
 
     def current_step(self) -> int:
         return self._step_of()
@@ -100,13 +103,8 @@ class ReplicaExchange(ExpertExchange):
             recv = self._finish(pending)
             self._copy, self._copy_key = (recv, pending.key) if self.hold else (None, None)
         hidden, recv = _Exchanged.apply(hidden, recv, self, *self.params)
-        spans, offset = [], 0
-        for p in self.params[: self.per_param]:
-            spans.append((offset, p.shape))
-            offset += p.numel()
-        tensors = views_of(recv, [(i * self.row + start, shape) for i in range(len(self.experts))
-                                  for start, shape in spans])
-        k = len(spans)
+        tensors = views_of(recv, self._replica_spans)
+        k = self.per_param
         out = [(e, list(tensors[i * k:(i + 1) * k])) for i, e in enumerate(self.experts)]
         if self.wgrad.enabled:
             self.wgrad.attach(recv, [t for _, tensors in out for t in tensors], self.params)
