@@ -171,7 +171,7 @@ class CostModel:
         self.topology = topology.pipeline_stage(workload.pipeline_model_parallel_size)
         self.workload = workload
         self.memory_limit_bytes = memory_limit_bytes if memory_limit_bytes is not None else topology.memory_bytes
-        self.network = Network(self.topology)
+        self.network = Network(self.topology, workload.call_seconds)
         self._layouts: dict[int, EPLayout] = {}
         tp = workload.tensor_model_parallel_size
         stage = self.topology.world_size
@@ -192,7 +192,7 @@ class CostModel:
         if self._sends is None:
             w = self.workload
             self._sends = boundary_sends(self.world, w.pipeline_model_parallel_size, w.pipeline_send_bytes,
-                                         w.virtual_pipeline_model_parallel_size)
+                                         w.virtual_pipeline_model_parallel_size, w.call_seconds)
         return self._sends
 
     def layout(self, ep_size: int) -> EPLayout:

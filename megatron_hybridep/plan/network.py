@@ -5,7 +5,9 @@ the sibling link between a's and b's units at that level, and the uplink of ever
 a (egress) or b (ingress) at that level and all finer ones (a GPU's PCIe link carries all its
 traffic; a DC's WAN uplink carries everything leaving the DC). All groups of a collective run at
 once, so a phase takes as long as its most loaded link or uplink (bytes / bandwidth), plus latency:
-one round for an all-to-all (all peers posted at once), one per step for ring collectives.
+one round for an all-to-all (all peers posted at once), one per step for ring collectives, plus
+``call_s`` once per collective that moves bytes (a backend's fixed cost per call: gloo on shared
+CPU cores, Workload.call_seconds).
 
 Collectives are costed the way NCCL runs them on these groups: all-to-all as direct sends; all-gather,
 reduce-scatter and all-reduce as a ring over the group's ranks in rank order.
@@ -64,8 +66,9 @@ class PhaseCost:
 class Network:
     """Link parameters of a Topology in the form the cost model needs."""
 
-    def __init__(self, topology: Topology) -> None:
+    def __init__(self, topology: Topology, call_s: float = 0.0) -> None:
         self.topology = topology
+        self.call_s = call_s
         self.counts = topology.level_counts
         self.L = len(self.counts)
         self.bw = tuple(lv.bandwidth for lv in topology.levels)
@@ -105,6 +108,7 @@ class Network:
                 t = max(t, up[lvl] / self.uplink[lvl])
             level_seconds.append(t)
         busy = max(level_seconds, default=0.0)
+        latency += self.call_s
         return PhaseCost(busy + latency if busy > 0 else 0.0, latency if busy > 0 else 0.0,
                          tuple(level_seconds), tuple(pair), tuple(up))
 
@@ -223,6 +227,7 @@ class Network:
             if self.uplink[lvl] is not None and up[lvl] > 0:
                 level_seconds[lvl] = max(level_seconds[lvl], up[lvl] / self.uplink[lvl])
         busy = max(level_seconds)
+        latency += self.call_s
         return PhaseCost(busy + latency, latency, tuple(level_seconds), tuple(pair), tuple(up))
 
 

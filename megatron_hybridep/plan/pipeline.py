@@ -51,9 +51,10 @@ class PipelineTime:
     send: float         # what the sends add: total - total(free)
 
 
-def boundary_sends(world: Topology, pp: int, nbytes: float, virtual: int = 1) -> Sends:
+def boundary_sends(world: Topology, pp: int, nbytes: float, virtual: int = 1, call_s: float = 0.0) -> Sends:
     """Each rank sends ``nbytes`` per chunk boundary per micro-batch. With ``virtual`` > 1 the last
-    stage also sends each chunk but the last to stage 0 (the wrap-around boundary, v - 1 times)."""
+    stage also sends each chunk but the last to stage 0 (the wrap-around boundary, v - 1 times).
+    ``call_s``: the backend's fixed cost per call (Workload.call_seconds), once per send."""
     n = world.world_size
     if pp < 2:
         z = PhaseCost.zero(len(world.levels))
@@ -61,7 +62,7 @@ def boundary_sends(world: Topology, pp: int, nbytes: float, virtual: int = 1) ->
     if n % pp:
         raise PlanError(f"pipeline_model_parallel_size: {pp} does not divide the world size {n} "
                         f"({world.describe()}); fix: use a divisor of it")
-    net, R = Network(world), n // pp
+    net, R = Network(world, call_s), n // pp
     lay = world.ep_layout(n)  # the whole world as one group: flows between any two ranks
     ranks = np.arange(R)
     ones = np.full(R, float(nbytes))

@@ -47,6 +47,13 @@ QUALITY_MAX_COMPRESSED_DOMAIN = 2
 CPU_ENCODE_NS, CPU_DECODE_NS = 70.0, 30.0
 GPU_ENCODE_NS, GPU_DECODE_NS = 0.025, 0.015
 
+# Fixed cost of one collective call on gloo, 4 ranks sharing 2 cores (the testbed): waiting for the
+# slowest rank and for gloo's threads to be scheduled. `python benchmarks/collective_call_probe.py`
+# gives 1.9-2.4 ms per all-to-all between sub-ms computes and 4-23 ms between 5-20 ms ones; issue 26's
+# token-heavy model unshaped, 128 all-to-alls per step, runs 0.2-0.3 s slower than the plan without
+# them (1.6-2.4 ms each; docs/cost_model.md). On NCCL a call's cost is the links' latency_us.
+GLOO_CALL_MS = 2.0
+
 # Achieved dense TFLOP/s per rank when a model states none: an H100-class GPU, as pretrain_moe.py
 # assumes on GPU (train/planning.py). Every configs/models file states its own.
 DEFAULT_THROUGHPUT_TFLOPS = 300.0
@@ -109,6 +116,8 @@ class Workload:
     compressed_grad_bytes: float | None = None    # bytes per returned expert gradient from a real codec
     codec_encode_ns: float | None = None     # codec compute per element encoded / decoded on a rank (None: by
     codec_decode_ns: float | None = None     #   backend: gloo CPU_*_NS, nccl GPU_*_NS)
+    collective_overhead_ms: float | None = None  # fixed cost of each collective call beyond its links (None:
+    #   by backend: gloo GLOO_CALL_MS, nccl 0)
     shared_sync_bytes_per_layer: float = 0.0  # bytes per MoE layer per iteration all-reduced over the EP group
     #   to refresh the shared expert (runtime SharedExpertRule.sync_bytes_per_step; 0 = frozen after init)
     routing_counts: Any = None               # tokens rank -> expert: (G, E) or (moe_layers, G, E) array
@@ -171,6 +180,8 @@ class Workload:
         for fld in ("codec_encode_ns", "codec_decode_ns"):
             need(getattr(self, fld) is None or getattr(self, fld) >= 0, fld, "must be >= 0 (nanoseconds per element)",
                  "leave it out for the backend's default")
+        need(self.collective_overhead_ms is None or self.collective_overhead_ms >= 0, "collective_overhead_ms",
+             "must be >= 0 (milliseconds per collective call)", "leave it out for the backend's default")
         need(self.shared_sync_bytes_per_layer >= 0,
              "shared_sync_bytes_per_layer", "must be >= 0", "0 when the shared expert needs no communication")
         if self.routing_counts is not None:
@@ -358,6 +369,13 @@ class Workload:
         enc = self.codec_encode_ns if self.codec_encode_ns is not None else (CPU_ENCODE_NS if gloo else GPU_ENCODE_NS)
         dec = self.codec_decode_ns if self.codec_decode_ns is not None else (CPU_DECODE_NS if gloo else GPU_DECODE_NS)
         return (encoded * enc + decoded * dec) * 1e-9
+
+    @property
+    def call_seconds(self) -> float:
+        """Fixed seconds of one collective call beyond its links' time (collective_overhead_ms, by
+        default gloo's GLOO_CALL_MS and nothing on NCCL): priced once per call by plan/network.py."""
+        ms = self.collective_overhead_ms
+        return (GLOO_CALL_MS if self.backend == "gloo" else 0.0) * 1e-3 if ms is None else ms * 1e-3
 
     def exact(self) -> Workload:
         """The same run with exact migration (no codec)."""

@@ -21,6 +21,7 @@ FIELDS = {
     "overlap_param_gather": "overlap_param_gather", "ddp_bucket_size": "ddp_bucket_size",
     "max_compressed_domain": "max_compressed_domain", "early_grad_return": "early_return_rest_ratio",
     "codec_encode_ns": "codec_encode_ns", "codec_decode_ns": "codec_decode_ns",
+    "collective_overhead_ms": "collective_overhead_ms", "backend": "backend",
 }
 
 
@@ -49,6 +50,12 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, parallelism: bool
                            "(default 0.025, an H200's Triton codec; pretrain_moe.py on CPU ranks prices 70, and "
                            "--codec-decode-ns 30)")
     what.add_argument("--codec-decode-ns", type=float, metavar="NS", help="the same per element decoded")
+    what.add_argument("--backend", choices=("nccl", "gloo"),
+                      help="the collectives' backend (default nccl): gloo returns exact gradients by all-to-all "
+                           "and prices CPU ranks' codec compute and per-call cost")
+    what.add_argument("--collective-overhead-ms", type=float, metavar="MS",
+                      help="fixed cost of one collective call beyond its links (default: 2 on gloo, 4 ranks "
+                           "sharing 2 cores; 0 on nccl, whose per-call cost is the topology's latency_us)")
     what.add_argument("--expert-bytes", type=float, metavar="BYTES",
                       help="bytes per shipped expert measured from a codec (overrides --compression-ratio)")
     if grad_bytes:

@@ -104,8 +104,10 @@ class Space:
     """Levels and links in which collectives run; builds flow classes and the shared link table."""
 
     def __init__(self, levels: Sequence[Level], counts: Sequence[int], periods: Sequence[int] | None = None,
-                 overrides: Sequence[dict[tuple[int, int], tuple[float, float]]] | None = None) -> None:
+                 overrides: Sequence[dict[tuple[int, int], tuple[float, float]]] | None = None,
+                 call_s: float = 0.0) -> None:
         self.levels = tuple(levels)
+        self.call_s = call_s  # the backend's fixed cost per collective call (Workload.call_seconds)
         self.counts = tuple(int(c) for c in counts)
         self.L = len(self.counts)
         self.bw = np.array([lv.bandwidth for lv in self.levels], dtype=np.float64)
@@ -205,6 +207,7 @@ class Space:
             tail = np.full(F, coll.steps * (float(lat.max()) if F else 0.0))
         else:
             tail = lat
+        tail = tail + self.call_s
         level_bytes = np.zeros(self.L)
         if F:
             # bytes per rank crossing each level: every representative stands for the same traffic

@@ -230,13 +230,13 @@ def group_classes(topology: Topology, lay: EPLayout) -> list[tuple[int, dict[tup
 
 
 def _ep_space(topology: Topology, lay: EPLayout, local_over: dict, colls: Sequence[Collective],
-              symmetry: bool = True) -> Space:
+              symmetry: bool = True, call_s: float = 0.0) -> Space:
     o = lay.outer
     levels = topology.levels[o:]
     counts = lay.extent[o:]
     overrides = [dict(local_over)] + [_override_dict(lv) for lv in levels[1:]]
     periods = Space.periods_for(colls, counts) if symmetry else counts
-    return Space(levels, counts, periods, overrides)
+    return Space(levels, counts, periods, overrides, call_s)
 
 
 def _override_dict(lv: Any) -> dict[tuple[int, int], tuple[float, float]]:
@@ -277,7 +277,7 @@ def simulate(topology: Topology, workload: Workload, plan: Plan | None = None, *
     classes: list[GroupClass] = []
     worst: tuple[Trace, list[FlowSet], Space] | None = None
     for n_groups, over in group_classes(topology, lay):
-        space = _ep_space(topology, lay, over, colls, symmetry)
+        space = _ep_space(topology, lay, over, colls, symmetry, workload.call_seconds)
         sets = _build(space, colls)
         trace = Engine(sets, space.link_cap).run(program)
         _add_stats(stats, trace.stats)
@@ -296,7 +296,8 @@ def simulate(topology: Topology, workload: Workload, plan: Plan | None = None, *
     wcolls = [c for _, c in wphases]
     if wcolls:
         counts = topology.level_counts
-        wspace = Space(topology.levels, counts, Space.periods_for(wcolls, counts) if symmetry else counts)
+        wspace = Space(topology.levels, counts, Space.periods_for(wcolls, counts) if symmetry else counts,
+                       call_s=workload.call_seconds)
         wsets = _build(wspace, wcolls)
         prog = [Instr(BLOCK, ph, op=c.name, stage="step") for ph, c in wphases if not c.empty]
         wtrace = Engine(wsets, wspace.link_cap).run(prog)

@@ -45,6 +45,9 @@ def test_plain_ep_on_one_level_is_four_all_to_alls_per_layer_and_micro_batch():
     # latency: one round per all-to-all
     lat = simulate(one_level(G, gbps, latency_us=250.0), w, ep)
     assert lat.total - r.total == pytest.approx(4 * 4 * 3 * 250e-6)
+    # a backend's fixed cost per call (gloo on shared cores): once per all-to-all too
+    call = simulate(one_level(G, gbps), w.replace(collective_overhead_ms=0.25), ep)
+    assert call.total - r.total == pytest.approx(4 * 4 * 3 * 250e-6)
 
 
 def test_gather_hides_behind_compute_when_it_fits_and_is_exposed_when_not():
@@ -204,7 +207,8 @@ def test_shared_expert_refresh_once_per_layer_per_step():
 @pytest.mark.parametrize("comp", [1.0, 20.0])
 @pytest.mark.parametrize("sizes", [(1, 1), (2, 1), (2, 2), "replicated"])
 @pytest.mark.parametrize("lan", [1e6, 0.5])
-def test_tier_b_is_the_closed_form_of_the_runtime_schedule(sizes, comp, m, lan, mode):
+@pytest.mark.parametrize("call_ms", [0.0, 2.0])
+def test_tier_b_is_the_closed_form_of_the_runtime_schedule(sizes, comp, m, lan, mode, call_ms):
     """With no latency, on 2 DCs x 2 (a plan's gathers and all-to-alls never share a link level),
     tier b (plan/cost.py) and the simulator agree per phase, in both borrowed-copies modes and with
     the dense gradient all-reduce: lan=0.5 Gbit/s makes the intra-DC all-to-alls a gather overlaps
@@ -213,7 +217,7 @@ def test_tier_b_is_the_closed_form_of_the_runtime_schedule(sizes, comp, m, lan, 
     topo = Topology((Level("dc", 2, 0.05, 0.0, 0.05), Level("gpu", 2, lan, 0.0, None)), name="2x2")
     w = workload(8, micro_batches=m, compression_ratio=comp, grad_compression_ratio=comp,
                  shared_sync_bytes_per_layer=1e5 if comp > 1 else 0.0, t_pre_ms=0.5, borrowed_copies=mode,
-                 dense_params=50_000)
+                 dense_params=50_000, collective_overhead_ms=call_ms)
     plan = Plan.replicated((2, 2), 8, ("dc", "gpu")) if sizes == "replicated" else domains(topo, 4, sizes, 8)
     sim = simulate(topo, w, plan)
     tb = CostModel(topo, w).evaluate(plan)
