@@ -121,8 +121,8 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--hybridep-throughput-tflops", type=float, default=None,
                    help="achieved TFLOP/s per rank for the cost model (default: 0.05 on CPU, 300 on GPU)")
     g.add_argument("--hybridep-collective-overhead-ms", type=float, default=None, metavar="MS",
-                   help="fixed cost of one collective call for the cost model (default: 2 on gloo, ranks "
-                        "sharing CPU cores; 0 on NCCL, whose per-call cost is the topology's latency_us)")
+                   help="fixed cost of one collective call for the cost model (default 0: not priced; the "
+                        "testbed's gloo ranks, 4 on 2 cores, measure ~2; on NCCL it is the topology's latency_us)")
     g.add_argument("--hybridep-replan-interval", type=_count, default=0,
                    help="iterations between re-planning decisions from measured routing and bandwidth; the "
                         "job prebuilds groups for every HybridEP candidate plan (0 = plan once at start-up)")

@@ -173,7 +173,8 @@ def enumerate_layouts(topology: Topology, workload: Workload) -> list[Layout]:
 def tp_seconds(topology: Topology, workload: Workload) -> float:
     """TP's collectives per iteration on one stage (``workload`` as the layout runs it): per micro-batch
     an all-gather and a reduce-scatter around attention in every layer and around the FFN in dense
-    layers, forward and backward, each a ring over the innermost level of the replica's activations."""
+    layers, forward and backward, each a ring over the innermost level of the replica's activations,
+    plus the backend's fixed cost per call when one is asked for (Workload.call_seconds)."""
     tp = workload.tensor_model_parallel_size
     if tp == 1:
         return 0.0
@@ -184,7 +185,7 @@ def tp_seconds(topology: Topology, workload: Workload) -> float:
     dense = max(0, workload.layers // pp - moe)
     collectives = 4 * moe + 8 * dense
     full = workload.tokens * tp * workload.hidden_size * workload.activation_bytes
-    one = (tp - 1) / tp * full / rate + (tp - 1) * lv.latency
+    one = (tp - 1) / tp * full / rate + (tp - 1) * lv.latency + workload.call_seconds
     return workload.micro_batches * collectives * one
 
 

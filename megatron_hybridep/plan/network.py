@@ -6,8 +6,8 @@ a (egress) or b (ingress) at that level and all finer ones (a GPU's PCIe link ca
 traffic; a DC's WAN uplink carries everything leaving the DC). All groups of a collective run at
 once, so a phase takes as long as its most loaded link or uplink (bytes / bandwidth), plus latency:
 one round for an all-to-all (all peers posted at once), one per step for ring collectives, plus
-``call_s`` once per collective that moves bytes (a backend's fixed cost per call: gloo on shared
-CPU cores, Workload.call_seconds).
+``call_s`` once per collective that moves bytes (a backend's fixed cost per call when asked for:
+gloo on shared CPU cores, Workload.call_seconds).
 
 Collectives are costed the way NCCL runs them on these groups: all-to-all as direct sends; all-gather,
 reduce-scatter and all-reduce as a ring over the group's ranks in rank order.

@@ -48,10 +48,11 @@ CPU_ENCODE_NS, CPU_DECODE_NS = 70.0, 30.0
 GPU_ENCODE_NS, GPU_DECODE_NS = 0.025, 0.015
 
 # Fixed cost of one collective call on gloo, 4 ranks sharing 2 cores (the testbed): waiting for the
-# slowest rank and for gloo's threads to be scheduled. `python benchmarks/collective_call_probe.py`
+# slowest rank and for gloo's threads to be scheduled. Priced only when asked for (collective_overhead_ms;
+# docs/cost_model.md says why it is not the default yet). `python benchmarks/collective_call_probe.py`
 # gives 1.9-2.4 ms per all-to-all between sub-ms computes and 4-23 ms between 5-20 ms ones; issue 26's
 # token-heavy model unshaped, 128 all-to-alls per step, runs 0.2-0.3 s slower than the plan without
-# them (1.6-2.4 ms each; docs/cost_model.md). On NCCL a call's cost is the links' latency_us.
+# them (1.6-2.4 ms each). On NCCL a call's cost is the links' latency_us.
 GLOO_CALL_MS = 2.0
 
 # Achieved dense TFLOP/s per rank when a model states none: an H100-class GPU, as pretrain_moe.py
@@ -117,7 +118,7 @@ class Workload:
     codec_encode_ns: float | None = None     # codec compute per element encoded / decoded on a rank (None: by
     codec_decode_ns: float | None = None     #   backend: gloo CPU_*_NS, nccl GPU_*_NS)
     collective_overhead_ms: float | None = None  # fixed cost of each collective call beyond its links (None:
-    #   by backend: gloo GLOO_CALL_MS, nccl 0)
+    #   not priced; the testbed's gloo ranks: GLOO_CALL_MS)
     shared_sync_bytes_per_layer: float = 0.0  # bytes per MoE layer per iteration all-reduced over the EP group
     #   to refresh the shared expert (runtime SharedExpertRule.sync_bytes_per_step; 0 = frozen after init)
     routing_counts: Any = None               # tokens rank -> expert: (G, E) or (moe_layers, G, E) array
@@ -372,10 +373,9 @@ class Workload:
 
     @property
     def call_seconds(self) -> float:
-        """Fixed seconds of one collective call beyond its links' time (collective_overhead_ms, by
-        default gloo's GLOO_CALL_MS and nothing on NCCL): priced once per call by plan/network.py."""
-        ms = self.collective_overhead_ms
-        return (GLOO_CALL_MS if self.backend == "gloo" else 0.0) * 1e-3 if ms is None else ms * 1e-3
+        """Fixed seconds of one collective call beyond its links' time (collective_overhead_ms; none
+        by default): priced once per call by plan/network.py."""
+        return (self.collective_overhead_ms or 0.0) * 1e-3
 
     def exact(self) -> Workload:
         """The same run with exact migration (no codec)."""

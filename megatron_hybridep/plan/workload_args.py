@@ -52,10 +52,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, parallelism: bool
     what.add_argument("--codec-decode-ns", type=float, metavar="NS", help="the same per element decoded")
     what.add_argument("--backend", choices=("nccl", "gloo"),
                       help="the collectives' backend (default nccl): gloo returns exact gradients by all-to-all "
-                           "and prices CPU ranks' codec compute and per-call cost")
+                           "and prices CPU ranks' codec compute")
     what.add_argument("--collective-overhead-ms", type=float, metavar="MS",
-                      help="fixed cost of one collective call beyond its links (default: 2 on gloo, 4 ranks "
-                           "sharing 2 cores; 0 on nccl, whose per-call cost is the topology's latency_us)")
+                      help="fixed cost of one collective call beyond its links (default 0: not priced; the "
+                           "testbed's gloo ranks, 4 on 2 cores, measure ~2; on nccl it is the topology's latency_us)")
     what.add_argument("--expert-bytes", type=float, metavar="BYTES",
                       help="bytes per shipped expert measured from a codec (overrides --compression-ratio)")
     if grad_bytes:

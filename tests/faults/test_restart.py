@@ -144,17 +144,22 @@ def test_only_faults_restart():
 def _wait_for_term(ctx, parent, handle):
     """Each rank (optionally) handles SIGTERM; after a barrier rank 0 sends SIGTERM to the launching
     process, which must pass it on: a rank returns once its handler ran (or dies without one)."""
-    import threading
+    import select
 
     import torch.distributed as dist
 
-    got = threading.Event()
+    # The signal may land on one of gloo's threads: then nothing interrupts a wait in the main thread
+    # and a Python handler runs only after it (an Event's wait hung here in CI, 2026-11-29). The
+    # wakeup fd is written by the C-level handler whichever thread takes the signal.
+    r, w = os.pipe()
+    os.set_blocking(w, False)
     if handle:
-        signal.signal(signal.SIGTERM, lambda *_: got.set())
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        signal.set_wakeup_fd(w)
     dist.barrier()
     if ctx.rank == 0:
         os.kill(parent, signal.SIGTERM)
-    if not got.wait(120):
+    if not select.select([r], [], [], 120)[0]:
         raise AssertionError("no SIGTERM reached this rank")
     return ctx.rank
 

@@ -184,21 +184,23 @@ def test_latency_counts_once_per_all_to_all_and_per_ring_step():
     assert cost.raw["expert_allgather"] == pytest.approx(3 * 10e-6, rel=1e-3)
 
 
-def test_a_collective_call_costs_the_backends_fixed_overhead_once():
-    """gloo's fixed cost per call (ranks sharing cores) counts once per collective that moves bytes,
-    not per ring step; NCCL's is its links' latency. A plan whose domain spans the EP group makes no
-    token all-to-all and pays none of those calls: what orders it ahead of all-to-all plans on CPU."""
+def test_a_collective_call_costs_its_fixed_overhead_once_when_asked_for():
+    """A fixed cost per call (gloo ranks sharing cores: GLOO_CALL_MS) counts once per collective that
+    moves bytes, not per ring step; none by default on either backend. A plan whose domain spans the
+    EP group makes no token all-to-all and pays none of those calls."""
     topo = Topology((Level("dc", 2, 1e9, 0.0), Level("gpu", 4, 1e9, 0.0)))  # bandwidth ~ free, no latency
     rails = Plan.grid((2, 4), (1, 4), 8)
-    gloo = CostModel(topo, workload(num_experts=8, backend="gloo")).evaluate(rails)
+    gloo = CostModel(topo, workload(num_experts=8, backend="gloo", collective_overhead_ms=GLOO_CALL_MS)).evaluate(rails)
     call = GLOO_CALL_MS * 1e-3
     assert gloo.raw["a2a"] == pytest.approx(call, rel=1e-3)
     assert gloo.raw["expert_allgather"] == pytest.approx(call, rel=1e-3)  # a ring of 3 steps: one call
     assert gloo.phases["token_a2a_fwd"] == pytest.approx(2 * 3 * call, rel=1e-3)  # 2 per layer, 3 layers
-    assert CostModel(topo, workload(num_experts=8)).evaluate(rails).raw["a2a"] < 1e-6  # nccl: none
+    for backend in ("nccl", "gloo"):  # not priced unless asked for
+        assert CostModel(topo, workload(num_experts=8, backend=backend)).evaluate(rails).raw["a2a"] < 1e-6
     set_ = CostModel(topo, workload(num_experts=8, collective_overhead_ms=0.5)).evaluate(rails)
     assert set_.raw["a2a"] == pytest.approx(0.5e-3, rel=1e-3)
-    full = CostModel(topo, workload(num_experts=8, backend="gloo")).evaluate(Plan.grid((2, 4), (2, 4), 8))
+    full = CostModel(topo, workload(num_experts=8, collective_overhead_ms=GLOO_CALL_MS)).evaluate(
+        Plan.grid((2, 4), (2, 4), 8))
     assert full.phases["token_a2a_fwd"] == full.phases["token_a2a_bwd"] == 0.0
     with pytest.raises(PlanError, match="collective_overhead_ms"):
         workload(collective_overhead_ms=-1.0)
@@ -399,7 +401,7 @@ def test_gloo_returns_gradients_by_all_to_all_as_the_runtime_does():
     topo = Topology((Level("dc", 2, 10.0, 0.0, 10.0), Level("gpu", 2, 1000.0, 0.0)))
     plan = Plan.grid((2, 2), (2, 2), 16)
     nccl = CostModel(topo, workload()).evaluate(plan)
-    gloo = CostModel(topo, workload(backend="gloo", collective_overhead_ms=0.0)).evaluate(plan)
+    gloo = CostModel(topo, workload(backend="gloo")).evaluate(plan)
     assert gloo.raw["grad_return"] == pytest.approx(4 / 3 * nccl.raw["grad_return"], rel=1e-3)
     assert gloo.raw["expert_allgather"] == nccl.raw["expert_allgather"]
     with pytest.raises(PlanError, match="backend"):

@@ -90,6 +90,9 @@ def test_tp_collectives_by_hand():
     one = 0.5 * 64 * 64 * 2 / (40 * GBPS) + 10e-6
     assert r.tp_seconds == pytest.approx(4 * 4 * 4 * one)
     assert tp_seconds(topo, r.workload.replace(tensor_model_parallel_size=1)) == 0.0
+    # a fixed cost per call, when asked for, counts once per TP collective as on EP's
+    called = tp_seconds(topo, r.workload.replace(collective_overhead_ms=2.0))
+    assert called - r.tp_seconds == pytest.approx(4 * 4 * 4 * 2e-3)
 
 
 # ---- memory ------------------------------------------------------------------------------------------

@@ -173,9 +173,10 @@ def test_prediction_adds_the_shaped_network_to_the_unshaped_step():
     shaped = bp.testbed_topology(2, 2, 38.0, 20_000.0)
     unshaped = bp.testbed_topology(2, 2, 3_000.0, 20_000.0)
     work = bp.Calibration(t_pre_s=0.05, expert_fwd_s=0.02, expert_rows=16384).workload(bp.BUILTIN, 4096, 128)
+    # gloo's fixed cost per call is in the measured unshaped step: priced by the planner when asked for,
+    # never added to the prediction again (the all-to-all figures below hold with it asked for)
+    work = work.replace(collective_overhead_ms=2.0)
     ep = bp.predict(shaped, unshaped, work, bp.system_plan("ep", shaped, 8), 60_000, 0.5)
-    # gloo's fixed cost per call is in the measured unshaped step: priced by the planner, not added again
-    assert work.call_seconds > 0 and ep.planner_total > 0
     # EP: 4 all-to-alls x 2 layers; a DC uplink carries half of its 2 ranks' dispatched bytes
     a2a_bytes = 4 * 2 * 2 * (4096 * 2 * 64 * 4) / 2
     assert ep.phases["token_a2a"] == pytest.approx(a2a_bytes / (38e6 / 8) - a2a_bytes / (3e9 / 8), rel=1e-6)

@@ -1,5 +1,6 @@
-"""--hybridep-collective-overhead-ms: gloo's fixed cost per collective call reaches the planner
-(default GLOO_CALL_MS on gloo ranks) and orders the default job's plans (docs/cost_model.md)."""
+"""--hybridep-collective-overhead-ms: a fixed cost per collective call (the testbed's gloo ranks:
+GLOO_CALL_MS) reaches the planner when asked for and orders the default job's plans
+(docs/cost_model.md)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ PRESET = str(Path(__file__).resolve().parents[2] / "configs" / "presets" / "cpu_
 
 
 def test_the_call_cost_reaches_the_planner_and_the_full_domain_saves_the_all_to_alls():
-    args = parse([], default_config=PRESET)
+    args = parse(["--hybridep-collective-overhead-ms", str(GLOO_CALL_MS)], default_config=PRESET)
     w = workload_for(args, 4)
     assert w.backend == "gloo" and w.call_seconds == pytest.approx(GLOO_CALL_MS * 1e-3)
-    off = parse(["--hybridep-collective-overhead-ms", "0"], default_config=PRESET)
+    off = parse([], default_config=PRESET)  # the default: not priced
     assert workload_for(off, 4).call_seconds == 0.0
     priced = {c.plan.label: c.cost for c in choose(args, 4).result.candidates}
     free = {c.plan.label: c.cost for c in choose(off, 4).result.candidates}
