@@ -1,7 +1,7 @@
 """What one collective call costs on gloo beyond its bytes, with ranks sharing CPU cores.
 
-The cost model prices a fixed cost per collective call (Workload.collective_overhead_ms; on gloo
-GLOO_CALL_MS by default): on the testbed 4 ranks share 2 cores, and every blocking collective waits
+The cost model can price a fixed cost per collective call (Workload.collective_overhead_ms; the
+testbed's figure is GLOO_CALL_MS): on the testbed 4 ranks share 2 cores, and every blocking collective waits
 for the slowest rank and for gloo's threads to be scheduled. This measures it without Megatron:
 each rank computes a chunk (a single-threaded matmul sized to ``--compute-ms`` on an idle core),
 then either nothing or one all-to-all of ``--bytes`` per rank; the overhead per call is the

@@ -120,7 +120,7 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                         "'shared' (the shared expert every time, the paper's scheme)")
     g.add_argument("--hybridep-throughput-tflops", type=float, default=None,
                    help="achieved TFLOP/s per rank for the cost model (default: 0.05 on CPU, 300 on GPU)")
-    g.add_argument("--hybridep-collective-overhead-ms", type=float, default=None, metavar="MS",
+    g.add_argument("--hybridep-collective-overhead-ms", type=float, default=0.0, metavar="MS",
                    help="fixed cost of one collective call for the cost model (default 0: not priced; the "
                         "testbed's gloo ranks, 4 on 2 cores, measure ~2; on NCCL it is the topology's latency_us)")
     g.add_argument("--hybridep-replan-interval", type=_count, default=0,

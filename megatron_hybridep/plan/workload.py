@@ -117,8 +117,8 @@ class Workload:
     compressed_grad_bytes: float | None = None    # bytes per returned expert gradient from a real codec
     codec_encode_ns: float | None = None     # codec compute per element encoded / decoded on a rank (None: by
     codec_decode_ns: float | None = None     #   backend: gloo CPU_*_NS, nccl GPU_*_NS)
-    collective_overhead_ms: float | None = None  # fixed cost of each collective call beyond its links (None:
-    #   not priced; the testbed's gloo ranks: GLOO_CALL_MS)
+    collective_overhead_ms: float = 0.0      # fixed cost of each collective call beyond its links (0: not
+    #   priced; the testbed's gloo ranks: GLOO_CALL_MS)
     shared_sync_bytes_per_layer: float = 0.0  # bytes per MoE layer per iteration all-reduced over the EP group
     #   to refresh the shared expert (runtime SharedExpertRule.sync_bytes_per_step; 0 = frozen after init)
     routing_counts: Any = None               # tokens rank -> expert: (G, E) or (moe_layers, G, E) array
@@ -181,8 +181,8 @@ class Workload:
         for fld in ("codec_encode_ns", "codec_decode_ns"):
             need(getattr(self, fld) is None or getattr(self, fld) >= 0, fld, "must be >= 0 (nanoseconds per element)",
                  "leave it out for the backend's default")
-        need(self.collective_overhead_ms is None or self.collective_overhead_ms >= 0, "collective_overhead_ms",
-             "must be >= 0 (milliseconds per collective call)", "leave it out for the backend's default")
+        need(self.collective_overhead_ms >= 0, "collective_overhead_ms", "must be >= 0 (milliseconds per call)",
+             f"0 (not priced) or the measured cost, e.g. {GLOO_CALL_MS} on the testbed's gloo ranks")
         need(self.shared_sync_bytes_per_layer >= 0,
              "shared_sync_bytes_per_layer", "must be >= 0", "0 when the shared expert needs no communication")
         if self.routing_counts is not None:
@@ -373,9 +373,9 @@ class Workload:
 
     @property
     def call_seconds(self) -> float:
-        """Fixed seconds of one collective call beyond its links' time (collective_overhead_ms; none
-        by default): priced once per call by plan/network.py."""
-        return (self.collective_overhead_ms or 0.0) * 1e-3
+        """Fixed seconds of one collective call beyond its links' time: priced once per call by
+        plan/network.py."""
+        return self.collective_overhead_ms * 1e-3
 
     def exact(self) -> Workload:
         """The same run with exact migration (no codec)."""

@@ -244,7 +244,7 @@ def _bench_points(rows: list[dict[str, str]], path: str, summary_path: str) -> l
                         num_moe_layers=layers, num_layers=layers, seq_length=seq, micro_batch_size=mbs,
                         activation_bytes=4, weight_bytes=4, grad_bytes=4, throughput_tflops=0.05,
                         name=str(model.get("name", "bench")), micro_batches=int(_num(r, "micro_batches", w, 1)),
-                        backend="gloo", collective_overhead_ms=0.0,  # in the measured unshaped step
+                        backend="gloo",
                         borrowed_copies=copies)
         system = r["system"].lower()
         if system == "hybridep-compressed":
@@ -293,8 +293,6 @@ def _point(r: dict[str, str], where: str, i: int) -> BenchPoint:
     if unshaped > 0:
         base = bench_topology(dcs, rpd, _num(r, "unshaped_wan_gbps", where, 10.0), 0.0,
                               _num(r, "intra_gbps", where, 20.0), _num(r, "intra_latency_us", where, 10.0))
-    if unshaped > 0:  # the measured unshaped step holds gloo's per-call cost
-        work = work.replace(collective_overhead_ms=0.0)
     eff = _num(r, "a2a_efficiency", where, 1.0)
     if not eff > 0:
         raise PlanError(f"{where}.a2a_efficiency: must be > 0, got {eff}")

@@ -85,7 +85,7 @@ def workload_for(args: argparse.Namespace, world_size: int | None = None) -> Wor
                      async_grad_return=bool(getattr(args, "hybridep_async_grad_return", False)),
                      early_return_rest_ratio=getattr(args, "hybridep_early_grad_return", 0.0),
                      backend="gloo" if getattr(args, "distributed_backend", "nccl") == "gloo" else "nccl",
-                     collective_overhead_ms=getattr(args, "hybridep_collective_overhead_ms", None))
+                     collective_overhead_ms=getattr(args, "hybridep_collective_overhead_ms", 0.0))
 
 
 def _capped(ratio: float, cap: float) -> float:
