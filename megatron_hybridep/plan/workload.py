@@ -49,7 +49,7 @@ GPU_ENCODE_NS, GPU_DECODE_NS = 0.025, 0.015
 
 # Fixed cost of one collective call on gloo, 4 ranks sharing 2 cores (the testbed): waiting for the
 # slowest rank and for gloo's threads to be scheduled. Priced only when asked for (collective_overhead_ms;
-# docs/cost_model.md says why it is not the default yet). `python benchmarks/collective_call_probe.py`
+# docs/cost_model.md says why it is not the default). `python benchmarks/collective_call_probe.py`
 # gives 1.9-2.4 ms per all-to-all between sub-ms computes and 4-23 ms between 5-20 ms ones; issue 26's
 # token-heavy model unshaped, 128 all-to-alls per step, runs 0.2-0.3 s slower than the plan without
 # them (1.6-2.4 ms each). On NCCL a call's cost is the links' latency_us.
