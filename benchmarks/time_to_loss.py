@@ -91,7 +91,9 @@ def chosen(text: str) -> str:
     return " / ".join(m.group(1) for m in (lay, plan) if m)
 
 
-def run_one(tb, flags: list[str], args: argparse.Namespace, topology: Path) -> list[tuple[int, float, float]]:  # noqa: ANN001
+def run_one(tb, flags: list[str], args: argparse.Namespace, topology: Path,  # noqa: ANN001
+            log: Path) -> list[tuple[int, float, float]]:
+    """One training run; its logging rank's output is kept in ``log`` (phases, WAN bytes, the plan)."""
     from megatron_hybridep.testbed.launcher import python_cmd
     from megatron_hybridep.train.rank_imports import PRELOAD
 
@@ -102,6 +104,7 @@ def run_one(tb, flags: list[str], args: argparse.Namespace, topology: Path) -> l
                      "--split", "100,0,0", "--hybridep-topology", topology, *flags)
     result = tb.launch(cmd, timeout_s=args.timeout, cwd=REPO, preload=PRELOAD)
     text = next((o for o in result.outputs if LINE.search(o)), result.outputs[0])
+    log.write_text(text)
     if not result.ok:
         raise RuntimeError(f"run failed: {' '.join(map(str, cmd))}\n{result.outputs[0][-3000:]}")
     rows = parse_log(text)
@@ -218,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-flags", default="", help="pretrain_moe flags after the model's own, which they override "
                                                      "(e.g. '--hidden-size 32 --micro-batch-size 8')")
     p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--out", default=None, help="folder for results.md, results.json and loss_vs_time.png")
+    p.add_argument("--out", default=None, help="folder for results.md, results.json, loss_vs_time.png and each "
+                   "run's log (SYSTEM_repeatR.log: the plan, phases and WAN bytes per iteration)")
     args = p.parse_args(argv)
     if args.data_path is None:
         from megatron_hybridep.data import austen
@@ -250,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         print("# " + tb.describe(), flush=True)
         for r in range(args.repeats):
             for s in (list(table) if r % 2 == 0 else list(table)[::-1]):
-                runs[s].append(run_one(tb, table[s], args, topology))
+                runs[s].append(run_one(tb, table[s], args, topology, out / f"{s}_repeat{r}.log"))
                 last = runs[s][-1]
                 print(f"repeat {r} {s:11s} final loss {last[-1][1]:.4f}, median step "
                       f"{statistics.median(x[2] for x in last):.2f} s", flush=True)

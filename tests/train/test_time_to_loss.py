@@ -90,11 +90,33 @@ def test_model_flags_follow_the_models_own(ttl, monkeypatch):
     args = argparse.Namespace(model_flags="--hidden-size 32 --micro-batch-size 8", global_batch=16, iters=4, seed=1,
                               data_path="x", timeout=1)
     with pytest.raises(RuntimeError, match="stop here"):
-        ttl.run_one(Testbed(), ["--expert-model-parallel-size", "4"], args, Path("t.yaml"))
+        ttl.run_one(Testbed(), ["--expert-model-parallel-size", "4"], args, Path("t.yaml"), Path("unused.log"))
     cmd = seen["cmd"]
     model_end = cmd.index(ttl.MODEL[-1]) + 1
     assert cmd[model_end:model_end + 4] == ["--hidden-size", "32", "--micro-batch-size", "8"]  # later flags win
     assert cmd[-2:] == ["--expert-model-parallel-size", "4"]
+
+
+def test_each_runs_log_is_kept(ttl, monkeypatch, tmp_path):
+    """The logging rank's output (plan, phases, WAN bytes per iteration) stays beside the results."""
+    import argparse
+
+    from megatron_hybridep.testbed import launcher
+
+    log = "\n".join(["[pretrain_moe] plan: domains dc2 gpu1; x", *(_line(i, 5.0 - i, 1000.0) for i in (1, 2))])
+
+    class Result:
+        ok, outputs = True, ["rank 1: nothing logged", log]
+
+    class Testbed:
+        def launch(self, cmd, **_):
+            return Result()
+
+    monkeypatch.setattr(launcher, "python_cmd", lambda *a: list(a))
+    args = argparse.Namespace(model_flags="", global_batch=16, iters=2, seed=1, data_path="x", timeout=1)
+    rows = ttl.run_one(Testbed(), [], args, Path("t.yaml"), tmp_path / "hybridep_repeat0.log")
+    assert [r[0] for r in rows] == [1, 2]
+    assert (tmp_path / "hybridep_repeat0.log").read_text() == log  # the rank that logged, not the first
 
 
 @pytest.mark.parametrize(("flags", "burst"), [([], None), (["--burst-ms", "1"], 1.0)])
