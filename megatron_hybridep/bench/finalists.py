@@ -7,15 +7,16 @@ planner weighs at small token counts (docs/results.md, "auto's finalists"). So t
 every layout the planner prices within FINALIST_WITHIN of its best, gets each one's unshaped step (a
 system already measured at the point gives its own; any other runs a short unshaped trial, at most
 ``max_trials`` of them, the planner's fastest first), predicts each as every bench row is predicted
-(unshaped step + the shaped-minus-unshaped network), and runs the fastest. A tie (within
-PREFER_MEGATRON_WITHIN) goes to the layout without hybridep, as the planner's own choice does.
+(unshaped step + the shaped-minus-unshaped network), and runs the fastest. A tie goes to the
+layout without hybridep as the planner's own choice does (within PREFER_MEGATRON_WITHIN of an exact
+plan; a compressed one keeps the choice when predicted faster).
 `pretrain_moe.py --hybridep-layout auto` on GPUs takes the planner's choice as it is. Pure logic."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megatron_hybridep.plan.layout import PREFER_MEGATRON_WITHIN, Layout, LayoutResult, is_hybridep
+from megatron_hybridep.plan.layout import PREFER_MEGATRON_WITHIN, Layout, LayoutResult, is_hybridep, within_margin
 from megatron_hybridep.plan.plan import Plan
 
 FINALIST_WITHIN = 1.0  # layouts the planner prices at most 2x its best: the testbed's CPU costs move that much
@@ -35,6 +36,7 @@ class Finalist:
     same_as: str | None = None  # the system measured at the point with this configuration
     unshaped_s: float | None = None  # its measured unshaped step (the system's calibration, or a trial)
     predicted_s: float | None = None  # unshaped_s + the network the cost model adds when the WAN is shaped
+    compressed: bool = False  # the plan runs the codec (the planner's candidate)
 
     @property
     def name(self) -> str:
@@ -57,7 +59,7 @@ def finalists(results: list[LayoutResult], within: float = FINALIST_WITHIN) -> l
         for cand, step in ((r.best, r.step), (r.megatron, r.megatron_step)):
             plan = replace(cand.plan, predicted={}, link_bytes={}) if cand is not None else None
             if plan is not None and step <= limit and all((f.layout, f.plan) != (r.layout, plan) for f in out):
-                out.append(Finalist(r.layout, plan, step))
+                out.append(Finalist(r.layout, plan, step, compressed=cand.compressed))
     return sorted(out, key=lambda f: f.planner_s)
 
 
@@ -76,12 +78,14 @@ def trim(cands: list[Finalist], max_trials: int = MAX_TRIALS) -> tuple[list[Fina
 
 
 def choose(cands: list[Finalist], margin: float = PREFER_MEGATRON_WITHIN) -> Finalist:
-    """The finalist predicted fastest; the fastest without hybridep instead when it is within ``margin``."""
+    """The finalist predicted fastest; the fastest without hybridep instead when it is within ``margin``
+    of an exact one (layout.within_margin)."""
     if not cands or any(f.predicted_s is None for f in cands):
         raise ValueError("choose: every finalist needs its predicted step")
     ranked = sorted(cands, key=lambda f: (f.predicted_s, f.planner_s))
     best = ranked[0]
     plain = next((f for f in ranked if not is_hybridep(f.plan)), None)
-    if is_hybridep(best.plan) and plain is not None and plain.predicted_s <= best.predicted_s * (1 + margin):
+    if is_hybridep(best.plan) and plain is not None \
+            and within_margin(best.predicted_s, plain.predicted_s, best.compressed, margin):
         return plain
     return best

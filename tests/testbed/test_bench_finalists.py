@@ -77,6 +77,12 @@ def test_choose_takes_the_fastest_prediction_and_a_near_tie_goes_to_megatron():
     assert pick(4.0, 3.0) == hybrid  # the planner's order does not decide: the predictions do
     assert pick(3.1, 3.0) == plain  # within 5%: no hybridep
     assert pick(2.0, 3.0) == plain
+    # a compressed plan keeps a near-tie (docs/results.md, "The near-tie rule, measured")
+    lossy = [bf.Finalist(lay, plain, 0.5, predicted_s=3.1),
+             bf.Finalist(lay, hybrid, 0.4, predicted_s=3.0, compressed=True)]
+    assert bf.choose(lossy).plan == hybrid
+    lossy[0].predicted_s = 3.0  # an exact tie still goes to Megatron
+    assert bf.choose(lossy).plan == plain
     with pytest.raises(ValueError, match="predicted"):
         bf.choose([bf.Finalist(lay, plain, 0.5)])
 
