@@ -45,12 +45,12 @@ LINE = re.compile(r" iter +(\d+)/\d+ \| loss +([\d.]+|nan) \| step +([\d.]+) ms"
 
 def systems(dcs: int, world: int, ratio: float = QUALITY_WEIGHT_RATIO,
             grad_ratio: float = QUALITY_GRAD_RATIO, grad_values: str = "bf16",
-            early: float = 0.0) -> dict[str, list[str]]:
+            early: float | None = None) -> dict[str, list[str]]:
     pp = ["--pipeline-model-parallel-size", str(dcs), "--expert-model-parallel-size", str(world // dcs)]
     comp = ["--hybridep-compression-ratio", f"{ratio:g}", "--hybridep-grad-compression-ratio", f"{grad_ratio:g}",
             "--hybridep-max-compression-ratio", "0",  # what is asked for, past the quality caps too
             "--hybridep-max-grad-compression-ratio", "0", "--hybridep-grad-compression-values", grad_values]
-    if early:
+    if early is not None:  # None: pretrain_moe.py's default (auto)
         comp += ["--hybridep-early-grad-return", f"{early:g}"]
     return {"ep": ["--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", str(world)],
             "replicated": ["--hybridep-plan", "replicated", "--expert-model-parallel-size", str(world)],
@@ -205,8 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-values", choices=tuple(GRAD_VALUE_BYTES), default="bf16",
                    help="hybridep-c's returned gradients' kept values: bf16 (the runtime's default) or the "
                         "gradient's fp32 (docs/results.md's runs from before 2026-11-26's change)")
-    p.add_argument("--early-grad-return", type=float, default=0.0, metavar="R",
-                   help="hybridep-c's and auto-c's --hybridep-early-grad-return R (0 = off, the default)")
+    p.add_argument("--early-grad-return", type=float, default=None, metavar="R",
+                   help="hybridep-c's and auto-c's --hybridep-early-grad-return R (0 = off; default: "
+                        "pretrain_moe.py's auto, 16 where it applies; the runs recorded before 2026-11-29 "
+                        "night had it off)")
     p.add_argument("--recorded", action="append", default=[], metavar="RESULTS_JSON",
                    help="add the runs of an earlier results.json made with the same corpus, model, batch, "
                         "iterations, seed and link (a system also trained here joins as 'NAME (recorded)')")

@@ -14,7 +14,13 @@ from megatron_hybridep.bench import predict as bp
 from megatron_hybridep.bench.report import AUTO  # the report (a leaf module) holds the one definition
 from megatron_hybridep.plan.errors import PlanError
 from megatron_hybridep.plan.model import ModelSpec
-from megatron_hybridep.plan.workload import GRAD_VALUE_BYTES, QUALITY_GRAD_RATIO, QUALITY_WEIGHT_RATIO
+from megatron_hybridep.plan.workload import (
+    EARLY_RETURN_RATIO,
+    GRAD_VALUE_BYTES,
+    QUALITY_GRAD_RATIO,
+    QUALITY_WEIGHT_RATIO,
+    auto_early_return,
+)
 from megatron_hybridep.testbed.network import CONGESTION_DEFAULT
 from megatron_hybridep.testbed.sh import TestbedError
 from megatron_hybridep.testbed.shaping import parse_rate_mbit
@@ -34,7 +40,7 @@ DEFAULTS: dict[str, Any] = {"dcs": 2, "ranks_per_dc": 2, "rate": "50mbit", "poin
                             "burst_ms": 1.0, "queue_ms": 0.0, "congestion": CONGESTION_DEFAULT,
                             "compression_ratio": QUALITY_WEIGHT_RATIO,
                             "grad_compression_ratio": QUALITY_GRAD_RATIO, "grad_values": "bf16",
-                            "early_grad_return": 0.0, "micro_batches": 1,
+                            "early_grad_return": "auto", "micro_batches": 1,
                             "borrowed_copies": "auto", "overlap_grad_reduce": True, "auto_trials": 2, "rounds": 1}
 COPIES = ("auto", "iteration", "microbatch")  # --hybridep-borrowed-copies; auto = iteration (bench models fit)
 # --smoke: the same path end to end, small enough for CI (< 60 s on 2 cores)
@@ -93,7 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--early-grad-return", type=float, default=None, metavar="R",
                         help=f"{COMPRESSED} and auto-c: pretrain_moe.py's --hybridep-early-grad-return R (the first "
                              "M-1 micro-batches' returned gradients leave during the last, the rest at ratio R; "
-                             "default 0, off)")
+                             f"default: pretrain_moe.py's auto, {EARLY_RETURN_RATIO:g} for returned gradients at most "
+                             f"{QUALITY_GRAD_RATIO:g}x with copies held; 0 = off)")
     parser.add_argument("--micro-batches", type=int, default=None,
                         help="micro-batches per iteration at every point, each of the point's micro_batch x seq "
                              "tokens, through Megatron's schedule (gradients reduced once per iteration; default 1)")
@@ -178,9 +185,8 @@ class BenchConfig:
         if any(s in self.systems for s in PRICED_COMPRESSED):
             argv += ["--compression-ratio", f"{self.compression_ratio:g}",
                      "--grad-compression-ratio", f"{self.grad_compression_ratio:g}",
-                     "--grad-compression-values", self.grad_values]
-            if self.early_grad_return:
-                argv += ["--early-grad-return", f"{self.early_grad_return:g}"]
+                     "--grad-compression-values", self.grad_values,
+                     "--early-grad-return", f"{self.early_grad_return:g}"]
         argv += ["--micro-batches", str(self.micro_batches)]
         if self.borrowed_copies != "auto":
             argv += ["--borrowed-copies", self.borrowed_copies]
@@ -271,7 +277,9 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     micro = int(get("micro_batches"))
     if micro < 1:
         raise BenchError(f"--micro-batches: must be >= 1, got {micro}; fix: e.g. --micro-batches 4")
-    early = float(get("early_grad_return"))
+    early = get("early_grad_return")
+    early = (auto_early_return(grad_ratio) if get("borrowed_copies") != "microbatch" else 0.0) \
+        if early == "auto" else float(early)
     if early and not (early >= 1 and grad_ratio > 1 and get("borrowed_copies") != "microbatch"):
         raise BenchError(f"--early-grad-return: {early:g} needs a ratio >= 1, compressed returned gradients "
                          "(--grad-compression-ratio > 1) and copies held for the iteration; fix: e.g. "

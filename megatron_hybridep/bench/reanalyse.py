@@ -53,6 +53,7 @@ def recorded_session(out: Path) -> tuple[dict[str, Any], Session]:
     cfg.grad_compression_ratio = float(summary.get("grad_compression_ratio", cfg.compression_ratio))
     cfg.congestion = summary.get("congestion", "host")  # runs before 2026-11-27 had the host's TCP (BBR here)
     cfg.grad_values = summary.get("grad_values", "same")  # runs before bf16 values sent the gradient's fp32
+    cfg.early_grad_return = float(summary.get("early_grad_return", 0.0))  # runs before its flag: one return
     session = Session(cfg, tb=None, log=io.StringIO())  # type: ignore[arg-type]  # nothing is shaped
     session.events = recorded_events(out)
     session.info.update(summary["probe"])

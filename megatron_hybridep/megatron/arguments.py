@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_hybridep.plan.workload import (
+    EARLY_RETURN_RATIO,
     GRAD_VALUE_BYTES,
     QUALITY_GRAD_RATIO,
     QUALITY_MAX_COMPRESSED_DOMAIN,
@@ -61,10 +62,15 @@ def _cap(text: str) -> float:
                     "{text} is not 0 or a finite ratio >= 1", "0 (no cap) or a ratio >= 1")
 
 
-def _ratio_or_off(text: str) -> float:
-    """argparse type: 0 (off) or a ratio >= 1."""
-    return _checked(text, float, "a number", lambda v: v == 0 or 1 <= v < float("inf"),
-                    "{text} is not 0 or a finite ratio >= 1", "0 (off) or a ratio >= 1")
+def _early_return(text: str) -> float | None:
+    """argparse type of --hybridep-early-grad-return: auto (None: the default where it applies), 0 or off,
+    or a ratio >= 1."""
+    if text.strip().lower() == "auto":
+        return None
+    if text.strip().lower() == "off":
+        return 0.0
+    return _checked(text, float, "auto, off or a number", lambda v: v == 0 or 1 <= v < float("inf"),
+                    "{text} is not auto, 0 or a finite ratio >= 1", "auto, 0 (off) or a ratio >= 1")
 
 
 def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -139,11 +145,13 @@ def add_hybridep_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="with borrowed copies per iteration: launch the return of their gradients in the last "
                         "backward and collect it before Megatron's reduction (overlaps the rest of the backward; "
                         "the cost model still prices it blocking)")
-    g.add_argument("--hybridep-early-grad-return", type=_ratio_or_off, default=0.0, metavar="RATIO",
+    g.add_argument("--hybridep-early-grad-return", type=_early_return, default=None, metavar="auto|RATIO",
                    help="with compressed returned gradients held for the iteration: launch the first M-1 "
                         "micro-batches' return in the (M-1)th backward, so it crosses the link during the last "
                         "micro-batch, and return the rest at element ratio RATIO (a smaller payload at the step's "
-                        "end; error feedback keeps what it leaves; 0 = off, the default)")
+                        f"end; error feedback keeps what it leaves); auto (default): {EARLY_RETURN_RATIO:g} where "
+                        f"the returned gradients are compressed at most {QUALITY_GRAD_RATIO:g}x (the quality cap) and "
+                        "held for an iteration of M > 1, else off; 0 = off")
     g.add_argument("--hybridep-layout-independent-init", action="store_true",
                    help="draw every weight from --seed and its global layer and expert index, so every TP/PP/EP "
                         "layout starts from the same model (Megatron's own init differs per stage and EP rank); "

@@ -18,7 +18,7 @@ from megatron_hybridep.plan.planner import (
     compressible,
 )
 from megatron_hybridep.plan.topology import Topology
-from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO, QUALITY_WEIGHT_RATIO, Workload
+from megatron_hybridep.plan.workload import QUALITY_GRAD_RATIO, QUALITY_WEIGHT_RATIO, Workload, auto_early_return
 from megatron_hybridep.plan.workload_args import add_workload_arguments, with_skew, workload_from_args
 
 
@@ -76,8 +76,16 @@ def _topology(args: argparse.Namespace) -> Topology:
     return Topology.from_yaml(args.topology)
 
 
-def _workload(args: argparse.Namespace, ep_size: int | None, topology: Topology) -> Workload:
+def _plan_workload(args: argparse.Namespace) -> Workload:
+    """The flags' Workload, with pretrain_moe.py's default early gradient return (auto; the split applies
+    only to compressed returns held for an iteration of M > 1, Workload.splits_grad_return)."""
     w = workload_from_args(args)
+    auto = auto_early_return(w.grad_compression_ratio)
+    return w.replace(early_return_rest_ratio=auto) if args.early_grad_return is None else w
+
+
+def _workload(args: argparse.Namespace, ep_size: int | None, topology: Topology) -> Workload:
+    w = _plan_workload(args)
     return with_skew(w, ep_size or topology.default_ep_size(w.num_experts), args.skew) if args.skew is not None else w
 
 
@@ -100,7 +108,7 @@ def run_layouts(args: argparse.Namespace) -> int:
     if fixed:
         raise PlanError(f"{fixed[0]}: --layout auto chooses the layout itself; fix: drop {fixed[0]} or --layout")
     topology = _topology(args)
-    workload = workload_from_args(args)
+    workload = _plan_workload(args)
     limit = args.memory_limit_gb * 1e9 if args.memory_limit_gb is not None else None
     results = plan_layouts(topology, workload, memory_limit_bytes=limit)
     if args.out and results[0].best is not None:

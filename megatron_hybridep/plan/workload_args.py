@@ -6,7 +6,14 @@ import argparse
 from typing import Any
 
 from megatron_hybridep.plan.errors import PlanError
-from megatron_hybridep.plan.workload import BORROWED_COPIES, Workload, load_routing_counts, zipf_routing
+from megatron_hybridep.plan.workload import (
+    BORROWED_COPIES,
+    EARLY_RETURN_RATIO,
+    QUALITY_GRAD_RATIO,
+    Workload,
+    load_routing_counts,
+    zipf_routing,
+)
 
 # flag dest -> Workload field (flags a command did not add are skipped)
 FIELDS = {
@@ -40,7 +47,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, parallelism: bool
                       help="the same for the gradients returned to expert owners")
     what.add_argument("--early-grad-return", type=float, metavar="R",
                       help="price pretrain_moe.py's --hybridep-early-grad-return R: the first M-1 micro-batches' "
-                           "returned gradients cross during the last micro-batch, the rest at ratio R")
+                           "returned gradients cross during the last micro-batch, the rest at ratio R (plan's "
+                           f"default: pretrain_moe.py's auto, {EARLY_RETURN_RATIO:g} for returned gradients compressed "
+                           f"at most {QUALITY_GRAD_RATIO:g}x; 0 = one return)")
     what.add_argument("--max-compressed-domain", type=int, metavar="S",
                       help="with compression, no domain of more than S ranks (0 = no cap): a domain of S ranks "
                            "computes 1 - 1/S of the routed tokens on compressed copies (pretrain_moe.py's "

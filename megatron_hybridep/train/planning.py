@@ -13,7 +13,7 @@ from typing import Any
 from megatron_hybridep.plan.plan import Plan, PlanError
 from megatron_hybridep.plan.planner import PlanningResult, choose_plan, compressible
 from megatron_hybridep.plan.topology import Topology
-from megatron_hybridep.plan.workload import GRAD_VALUE_BYTES, Workload
+from megatron_hybridep.plan.workload import GRAD_VALUE_BYTES, Workload, auto_early_return
 from megatron_hybridep.runtime.logs import warn_once
 from megatron_hybridep.runtime.migration import MigrationConfig
 
@@ -83,7 +83,7 @@ def workload_for(args: argparse.Namespace, world_size: int | None = None) -> Wor
                      max_compressed_domain=getattr(args, "hybridep_max_compressed_domain", 0),
                      borrowed_copies=getattr(args, "hybridep_borrowed_copies", None) or "auto",
                      async_grad_return=bool(getattr(args, "hybridep_async_grad_return", False)),
-                     early_return_rest_ratio=getattr(args, "hybridep_early_grad_return", 0.0),
+                     early_return_rest_ratio=early_return(args),
                      backend="gloo" if getattr(args, "distributed_backend", "nccl") == "gloo" else "nccl",
                      collective_overhead_ms=getattr(args, "hybridep_collective_overhead_ms", 0.0))
 
@@ -106,6 +106,18 @@ def grad_ratio(args: argparse.Namespace) -> float:
 
 def grad_values(args: argparse.Namespace) -> str:
     return getattr(args, "hybridep_grad_compression_values", None) or "bf16"
+
+
+def early_return(args: argparse.Namespace, held: bool | None = None) -> float:
+    """--hybridep-early-grad-return's rest ratio: the value given, or for auto (None) the split where it
+    applies (compressed returns within the quality cap, copies held: ``held``, or not forced per
+    micro-batch; with M = 1 the runtime and the cost model split nothing), else 0."""
+    given = getattr(args, "hybridep_early_grad_return", None)
+    if given is not None:
+        return given
+    if held is None:
+        held = getattr(args, "hybridep_borrowed_copies", "auto") != "microbatch"
+    return auto_early_return(grad_ratio(args)) if held else 0.0
 
 
 def ratio_notice(args: argparse.Namespace) -> str | None:
@@ -139,7 +151,7 @@ def migration_from_args(args: argparse.Namespace) -> MigrationConfig:
                            incremental=getattr(args, "hybridep_residual_base", "copy") == "copy",
                            hold_copies=getattr(args, "hybridep_borrowed_copies", "auto") != "microbatch",
                            async_return=bool(getattr(args, "hybridep_async_grad_return", False)),
-                           early_return_rest_ratio=getattr(args, "hybridep_early_grad_return", 0.0),
+                           early_return_rest_ratio=early_return(args),
                            check_finite=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)))
 
 
@@ -175,7 +187,8 @@ def build_runtime(args: argparse.Namespace, choice: PlanChoice, ep_group: Any = 
     # auto: hold copies for the iteration when they fit the topology's memory, else per micro-batch
     mode, why = resolve_borrowed_copies(choice.topology, workload_for(args), choice.plan)
     args.hybridep_borrowed_copies_reason = why
-    migration = dataclasses.replace(migration_from_args(args), hold_copies=mode == "iteration")
+    migration = dataclasses.replace(migration_from_args(args), hold_copies=mode == "iteration",
+                                    early_return_rest_ratio=early_return(args, held=mode == "iteration"))
     runtime = setup(plans, ep_group=ep_group, num_experts=args.num_experts, migration=migration,
                     active=plans.index(choice.plan))
     if args.hybridep_replan_interval:

@@ -75,6 +75,12 @@ class Reporter:
                         else "compression asked for, but this plan borrows no experts: nothing is compressed, "
                         "the run is exact")
                 print(f"[pretrain_moe] {said}", flush=True)
+                dp = getattr(self.args, "data_parallel_size", None) or 1
+                micro = self.args.global_batch_size // (self.args.micro_batch_size * dp)
+                if p.borrowed_share and m.compresses_grads and m.early_return_rest_ratio and micro > 1:
+                    print("[pretrain_moe] returned gradients in two parts: the first M-1 micro-batches' share "
+                          "leaves during the last micro-batch, the rest at "
+                          f"{m.early_return_rest_ratio:g}x (--hybridep-early-grad-return; 0 turns it off)", flush=True)
             why = getattr(self.args, "hybridep_borrowed_copies_reason", None)
             if why and self.runtime is not None:
                 print(f"[pretrain_moe] borrowed copies: {why}", flush=True)

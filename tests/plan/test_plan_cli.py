@@ -147,11 +147,17 @@ def test_early_grad_return_is_priced_by_the_plan_command(capsys):
             "8", "--compression-ratio", "10", "--grad-compression-ratio", "4", "--borrowed-copies", "iteration",
             "--json"]
     costs = []
-    for extra in ([], ["--early-grad-return", "16"]):
+    for extra in (["--early-grad-return", "0"], ["--early-grad-return", "16"], []):
         rc, out, _ = run(capsys, *base, *extra)
         assert rc == 0
         costs.append({c["label"]: c["cost"] for c in json.loads(out)["candidates"]})
-    whole, split = costs
+    whole, split, default = costs
     label = "domains dc2 gpu1"
     assert split[label]["raw"]["grad_return_rest"] > 0 == whole[label]["raw"]["grad_return_rest"]
     assert split[label]["phases"]["grad_return"] != whole[label]["phases"]["grad_return"]
+    assert default == split  # pretrain_moe.py's default (auto) splits compressed returns at 16x
+    at = base.index("--grad-compression-ratio") + 1
+    past_cap = [*base[:at], "50", *base[at + 1:]]
+    rc, out, _ = run(capsys, *past_cap)
+    assert rc == 0  # at 50x a 16x rest would outweigh one return: auto returns once
+    assert {c["label"]: c["cost"] for c in json.loads(out)["candidates"]}[label]["raw"]["grad_return_rest"] == 0

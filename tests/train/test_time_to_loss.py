@@ -142,7 +142,8 @@ def test_early_grad_return_reaches_the_compressed_systems_only(ttl):
     for name in ("hybridep-c", "auto-c"):
         assert table[name][-2:] == ["--hybridep-early-grad-return", "16"]
     assert all("--hybridep-early-grad-return" not in table[n] for n in ("ep", "replicated", "hybridep", "pp", "auto"))
-    assert "--hybridep-early-grad-return" not in ttl.systems(2, 4)["hybridep-c"]  # off by default
+    assert "--hybridep-early-grad-return" not in ttl.systems(2, 4)["hybridep-c"]  # pretrain_moe.py's auto
+    assert ttl.systems(2, 4, early=0.0)["hybridep-c"][-2:] == ["--hybridep-early-grad-return", "0"]  # off, asked
 
 
 def test_recorded_runs_join_the_table_only_when_comparable(ttl, tmp_path):
