@@ -40,8 +40,9 @@ QUALITY_WEIGHT_RATIO = 10.0
 QUALITY_MAX_COMPRESSED_DOMAIN = 2
 # --hybridep-early-grad-return's default (auto) where it applies (compressed returns held for an
 # iteration of M > 1): the first M-1 micro-batches' share leaves during the last micro-batch, the rest at
-# this ratio. At 5 Mbit/s it shortened HybridEP-c's step 5.51 -> 4.98 s; at M = 8 over 8 seeds it cost no
-# more steps to the same loss than one return (docs/compression.md, "The returned gradients in two parts").
+# this ratio. At 5 Mbit/s it shortened HybridEP-c's step 4.11 -> 3.81 s; at M = 8 over 8 seeds it cost what
+# one return costs (+0.09 points of loss, 502 steps to the targets vs 501; docs/results.md, "The returned
+# gradients in two parts, by default").
 EARLY_RETURN_RATIO = 16.0
 
 
