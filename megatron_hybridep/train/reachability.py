@@ -143,15 +143,16 @@ def _probe_peer(host: str, port: int, timeout_s: float, read: bool) -> tuple[str
 
 def probe(peers: list[Peer], timeout_s: float = PROBE_TIMEOUT_S, settle_s: float = 0.0,
           progress: dict[int, Progress] | None = None) -> dict[int, str]:
-    """Probe every peer at once (one thread each): takes at most about 2 x timeout_s (+ settle_s).
+    """Probe every peer at once (one thread each): at most about 2 x timeout_s a pass (a second with settle_s).
     ``progress``, when given, receives what answering peers reported.
 
-    settle_s: probe the peers that answered once more after this long. After a connection reset
-    the peer that reset it may still be exiting (its sockets close one by one), so its beacon can
-    answer for a few more milliseconds."""
+    settle_s: probe every peer not found gone once more after this long. After a connection reset
+    the peer that reset it may still be exiting (its sockets close one by one, after its memory is
+    freed), so its beacon can answer for a while longer, or not complete the handshake at all (seen
+    once in CI: a killed peer probed "unreachable" right after its reset)."""
     found: dict[int, Progress] = {}
     first = _probe_all(peers, timeout_s, found)
-    again = [p for p in peers if first[p.rank] in (REACHABLE, STOPPED)]
+    again = [p for p in peers if first[p.rank] != GONE]
     if settle_s > 0 and again:
         time.sleep(settle_s)
         first.update(_probe_all(again, timeout_s, found))

@@ -38,6 +38,24 @@ def test_probe_tells_a_live_peer_a_gone_one_and_an_unreachable_one_apart():
     assert status == {0: R.REACHABLE, 1: R.GONE, 2: R.UNREACHABLE}
 
 
+def test_a_peer_still_exiting_after_its_reset_is_probed_again(monkeypatch):
+    """A killed peer whose beacon drops the first handshake while it exits: the settled probe finds it gone."""
+    keep: list = []
+    peer = R.Peer(1, 1, "127.0.0.1", _silent_port(keep))
+
+    def exits(_s: float) -> None:  # the peer finishes exiting during the settle: its sockets close
+        for k in keep:
+            k.close()
+
+    monkeypatch.setattr(R.time, "sleep", exits)
+    try:
+        assert R.probe([peer], timeout_s=0.5) == {1: R.UNREACHABLE}  # no settle: the first verdict stands
+        assert R.probe([peer], timeout_s=0.5, settle_s=0.5) == {1: R.GONE}
+    finally:
+        for k in keep:
+            k.close()
+
+
 def test_failure_line_names_the_peers_by_rank_and_dc():
     dcs = {0: 0, 1: 0, 2: 1, 3: 1}
     line = R.failure_line(0, 0, 6.0, {1: R.REACHABLE, 2: R.UNREACHABLE, 3: R.UNREACHABLE}, dcs,
