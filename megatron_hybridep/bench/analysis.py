@@ -124,7 +124,8 @@ def make_row(cfg: BenchConfig, e: dict[str, Any], base: dict[str, Any], pred: bp
         wan_rx_mb=sum(c["rx_bytes"] for c in link) / n / it / 1e6,
         pred_wan_mb=pred.dc_uplink_bytes / TCP_GOODPUT_FRACTION / 1e6,
         payload_dc_mb=payload / 1e6, loadavg=sum(e["loadavg"]) / 2,
-        tcp_rto_per_it=sum(c.get("tcp_timeouts", math.nan) for c in link) / it)
+        tcp_rto_per_it=sum(c.get("tcp_timeouts", math.nan) for c in link) / it,
+        wan_busiest_mb=max(max(c["tx_bytes"], c["rx_bytes"]) for c in link) / it / 1e6)
 
 
 def params_line(events: list[dict[str, Any]]) -> str:

@@ -47,6 +47,7 @@ def test_bench_smoke_end_to_end(smoke_m1):
     for r in rows:
         assert float(r["median_s"]) > 0 and float(r["min_s"]) > 0, r
         assert float(r["predicted_s"]) > 0 and float(r["wan_tx_mb"]) > 0, r
+        assert float(r["wan_busiest_mb"]) >= max(float(r["wan_tx_mb"]), float(r["wan_rx_mb"])) * (1 - 1e-9), r
         assert 0 <= float(r["tcp_rto_per_it"]) < 1e3, r  # read from the DC namespaces' TCP counters
     assert "TCP RTO/it" in stdout and "TCP reno" in stdout
 
@@ -328,7 +329,7 @@ def test_reanalyse_reproduces_the_runs_own_analysis(smoke_m1, tmp_path):
     with open(copy / "bench.csv", newline="") as f:
         again = list(csv.DictReader(f))
     key = ("point", "system", "plan", "median_s", "unshaped_s", "predicted_s", "wan_tx_mb", "a2a_efficiency",
-           "tcp_rto_per_it")
+           "tcp_rto_per_it", "wan_busiest_mb")
     assert [tuple(r[k] for k in key) for r in again] == [tuple(r[k] for k in key) for r in rows]
 
 
