@@ -215,7 +215,8 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         "load = the machine's 1-minute load average around the "
         f"timed window ({os.cpu_count()} cores: above that, other jobs competed for them)", "",
         "per phase, ms per iteration (measured / predicted; a2a = forward dispatch + combine, the backward's "
-        "transposes are not timed separately):",
+        "transposes are not timed separately; WAN cost = shaped - unshaped step, which the prediction adds to "
+        "the measured unshaped step: a measured one below 0 is that step's noise):",
         br.format_phases(rows), "",
         "planner's overall best per point and workload (its own cost model, replicated included): "
         + ", ".join(f"{cfg.points[int(k.split()[0])]['tokens']} {k.split()[1]}: {b}"

@@ -18,7 +18,7 @@ AUTO = ("auto", "auto-c")  # the layout planner's choice: exact, and with Hybrid
 TARGET_FASTEST_SHARE = 0.9  # issue 25: the planner's choice is the fastest measured system at >= 90% of points
 TARGET_TOP_SPEEDUP = 5.0
 TARGET_LOW_SLOWDOWN = 0.05
-TARGET_PRED_ERROR = 0.15
+TARGET_PRED_ERROR = 0.10  # issue 25: every system within 10%
 
 
 @dataclass
@@ -94,6 +94,10 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:,.0f}" if s < 10 else f"{s:,.1f}s"
 
 
+def _signed_ms(s: float) -> str:
+    return ("-" if s < 0 else "+") + _ms(abs(s))
+
+
 def format_table(rows: Sequence[Row]) -> str:
     head = (f"{'pt':>2} {'tokens':>6} {'traffic':>8}  {'system':<11} {'plan':<17} {'median ms':>9} "
             f"{'[min-max]':>13} {'vs EP':>6} {'pred ms':>8} {'err':>6} {'uncal':>6}  {'WAN MB/it tx/rx':>15} "
@@ -112,7 +116,8 @@ def format_table(rows: Sequence[Row]) -> str:
 def format_phases(rows: Sequence[Row]) -> str:
     """Predicted vs measured per phase (ms per iteration)."""
     head = (f"{'pt':>2} {'system':<11} {'a2a fwd meas/pred':>18} {'gather wait m/p':>16} "
-            f"{'grad return m/p':>16} {'grad all-reduce m/p':>20} {'busiest MB m/p':>14} {'TCP RTO/it':>10}")
+            f"{'grad return m/p':>16} {'grad all-reduce m/p':>20} {'busiest MB m/p':>14} {'TCP RTO/it':>10} "
+            f"{'WAN cost m/p':>15}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
@@ -121,7 +126,8 @@ def format_phases(rows: Sequence[Row]) -> str:
             f"{_ms(r.meas_gather_wait_s):>7} /{_ms(r.pred_gather_wait_s):>7} "
             f"{_ms(r.meas_grad_return_s):>7} /{_ms(r.pred_grad_return_full_s):>7} "
             f"{_ms(r.meas_grad_sync_s):>9} /{_ms(r.pred_grad_sync_s):>9} "
-            f"{r.wan_busiest_mb:>6.2f}/{r.pred_wan_mb:<6.2f} {r.tcp_rto_per_it:>10.1f}")
+            f"{r.wan_busiest_mb:>6.2f}/{r.pred_wan_mb:<6.2f} {r.tcp_rto_per_it:>10.1f} "
+            f"{_signed_ms(r.median_s - r.unshaped_s):>7}/{_signed_ms(r.predicted_s - r.unshaped_s):<7}")
     return "\n".join(lines)
 
 
@@ -156,10 +162,16 @@ def check_targets(rows: Sequence[Row]) -> list[TargetCheck]:
                                    h <= ep * (1 + TARGET_LOW_SLOWDOWN), f"{(h / ep - 1) * 100:+.1f}% vs EP"))
     out += layout_targets(rows)
     worst = max(rows, key=lambda r: abs(r.pred_error_pct))
-    bad = sum(abs(r.pred_error_pct) > TARGET_PRED_ERROR * 100 for r in rows)
+    misses = [r for r in rows if abs(r.pred_error_pct) > TARGET_PRED_ERROR * 100]
+    # the prediction adds the WAN's cost to the system's measured unshaped step: where the shaped step
+    # measured below it, that step's noise is larger than the cost, and no network model can be right
+    noisy = sum(r.median_s < r.unshaped_s for r in misses)
+    within = f"{len(rows) - len(misses)}/{len(rows)} within"
     out.append(TargetCheck(f"predicted step within {TARGET_PRED_ERROR:.0%} of measured at every point",
-                           bad == 0, f"{len(rows) - bad}/{len(rows)} within; worst {worst.pred_error_pct:+.1f}% "
-                           f"({SYSTEM_LABEL[worst.system]}, point {worst.point})"))
+                           not misses, f"{within}; worst {worst.pred_error_pct:+.1f}% "
+                           f"({SYSTEM_LABEL[worst.system]}, point {worst.point})"
+                           + (f"; {noisy} of the {len(misses)} misses measured faster shaped than unshaped "
+                              "(the unshaped step's noise)" if noisy else "")))
     return out
 
 

@@ -80,3 +80,21 @@ def test_layout_targets_compare_with_the_best_megatron_layout_per_point():
     assert not fastest.ok and fastest.detail == "1/2 points"
     assert checks["auto layout the fastest exact system at >= 90% of points"].detail == "1/2 points"
     assert checks["auto layout within 5% of the fastest exact system at every point"].detail.startswith("1/2")
+
+
+def test_prediction_misses_name_the_ones_the_unshaped_steps_noise_explains():
+    """A prediction is the measured unshaped step plus the WAN's cost: a shaped step measured below
+    the unshaped one is a miss that no network model can fix, and the check says how many are."""
+    def row(system: str, unshaped: float, shaped: float, predicted: float) -> br.Row:
+        return dataclasses.replace(_row(system), unshaped_s=unshaped, median_s=shaped, predicted_s=predicted,
+                                   pred_error_pct=(predicted / shaped - 1) * 100)
+
+    check = next(c for c in br.check_targets([row("ep", 2.11, 1.90, 2.33), row("pp", 2.0, 2.5, 3.0),
+                                              row("replicated", 1.8, 2.4, 2.4)])
+                 if c.name.startswith("predicted step"))
+    assert not check.ok and "1/3 within" in check.detail
+    assert "1 of the 2 misses measured faster shaped than unshaped" in check.detail, check.detail
+    text = br.format_phases([row("ep", 2.11, 1.90, 2.33)])
+    assert "-210/+220" in text.replace(" ", ""), text  # WAN cost, measured / predicted (ms)
+    good = next(c for c in br.check_targets([row("ep", 1.0, 1.5, 1.5)]) if c.name.startswith("predicted step"))
+    assert good.ok and "misses" not in good.detail
