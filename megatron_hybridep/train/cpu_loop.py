@@ -152,7 +152,7 @@ def run(args: argparse.Namespace, collect_params: bool = False,
         runtime.after_optimizer_step()  # what the saved run did right after saving
     batches = data.train_batches(args, start_iteration=iteration)
     reporter = Reporter(args, choice, runtime, rank)
-    micro = args.global_batch_size // (args.micro_batch_size * ps.get_data_parallel_world_size())
+    micro = data.micro_batches(args, ps.get_data_parallel_world_size())
     from megatron_hybridep.train.launch import progress  # the launcher's stall monitor (no-op elsewhere)
 
     # Megatron's --exit-signal-handler: on the signal (SIGTERM: scancel, preemption, torchrun's stop)

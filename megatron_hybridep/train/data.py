@@ -24,11 +24,16 @@ def corpus(args: argparse.Namespace):  # noqa: ANN201 - MarkovCorpus
     return MarkovCorpus(vocab_size=args.vocab_size or 256, seed=args.seed)
 
 
+def micro_batches(args: argparse.Namespace, dp_size: int) -> int:
+    """Micro-batches per iteration on each data-parallel rank (Megatron's num_microbatches)."""
+    return args.global_batch_size // (args.micro_batch_size * dp_size)
+
+
 def train_batches(args: argparse.Namespace, start_iteration: int = 0) -> Iterator[Batch]:
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    micro = args.global_batch_size // (args.micro_batch_size * dp_size)
+    micro = micro_batches(args, dp_size)
     kind = source(args)
     sample = start_iteration * args.global_batch_size
     if kind == "synthetic":

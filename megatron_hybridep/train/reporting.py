@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megatron_hybridep.plan.cost import bytes_human
 from megatron_hybridep.plan.phases import Phase
+from megatron_hybridep.train.data import micro_batches
 from megatron_hybridep.train.planning import PlanChoice
 
 
@@ -75,8 +76,7 @@ class Reporter:
                         else "compression asked for, but this plan borrows no experts: nothing is compressed, "
                         "the run is exact")
                 print(f"[pretrain_moe] {said}", flush=True)
-                dp = getattr(self.args, "data_parallel_size", None) or 1
-                micro = self.args.global_batch_size // (self.args.micro_batch_size * dp)
+                micro = micro_batches(self.args, getattr(self.args, "data_parallel_size", None) or 1)
                 if p.borrowed_share and m.compresses_grads and m.early_return_rest_ratio and micro > 1:
                     print("[pretrain_moe] returned gradients in two parts: the first M-1 micro-batches' share "
                           "leaves during the last micro-batch, the rest at "
