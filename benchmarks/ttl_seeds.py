@@ -1,10 +1,13 @@
 #!/usr/bin/env python
 """Model quality over seeds from time_to_loss.py runs: per seed, the steps each system needs to the
 reference's target loss and its loss at equal steps against the reference; then per system the mean
-change with a 95% interval and the worst seed.
+change with a 95% interval and the worst seed. With --time, also the time to the target: per results.json,
+reference / system wall-clock (that file's own target and step times, as its results.md), and the mean
+over the files with a 95% interval.
 
-Losses only: a run's loss curve does not depend on the link it ran on (same plan, same numerics), so
-runs from any rate join; a system that ran twice for one seed is checked to have the same curve.
+Losses: a run's loss curve does not depend on the link it ran on (same plan, same numerics), so
+runs from any rate join; a system that ran twice for one seed is checked to have the same curve. Times
+do depend on it and on the host: --time pairs only the runs of one file.
 
     python benchmarks/ttl_seeds.py docs/results/time_to_loss/*_reno_strict_seed*/results.json \\
         docs/results/time_to_loss/*_reno_strict_early16_seed*/results.json
@@ -26,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from convergence import interval95  # noqa: E402
-from time_to_loss import smooth  # noqa: E402
+from time_to_loss import smooth, to_target  # noqa: E402
 
 from megatron_hybridep.plan.workload import auto_early_return  # noqa: E402
 
@@ -112,6 +115,47 @@ def table(runs: dict[int, dict[str, list[float]]], reference: str, target_at: fl
     return "\n".join(head + rows + [""] + foot)
 
 
+def _seconds(reps: list, target: float, window: int, warmup: int) -> float | None:
+    """Median wall-clock to the target over a system's repeats (None: a repeat never reached it)."""
+    got = [to_target([tuple(x) for x in r], target, window, warmup)["seconds"] for r in reps]
+    return statistics.median(got) if None not in got else None
+
+
+def speedups(paths: list[str], reference: str) -> str:
+    """Per results.json: reference / system wall-clock to the file's target (its own moving mean, warm-up
+    and step times: its results.md's "vs" column); then per system the mean with a 95% interval."""
+    rows = ["time to the target, reference / system wall-clock, per results.json", "",
+            "| seed | system | speed-up | reference | file |", "|---|---|---|---|---|"]
+    per: dict[str, list[float]] = defaultdict(list)
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        a, runs = data["args"], data["runs"]
+        recorded = reference not in a.get("systems", reference).split(",")  # joined from another run's file
+        refs = runs.get(reference) or runs.get(f"{reference} (recorded)")
+        if refs is None:
+            rows.append(f"| {a['seed']} | - | no {reference} run | - | {path} |")
+            continue
+        when = (data["target"], a.get("window", 10), a.get("warmup", 2))
+        ref_s = _seconds(refs, *when)
+        for system, reps in runs.items():
+            if system in (reference, f"{reference} (recorded)") or system.endswith("(recorded)"):
+                continue
+            name = label(system, a.get("early_grad_return", 0.0), a.get("grad_ratio", 1.0))
+            mine = _seconds(reps, *when)
+            if mine is None or ref_s is None:
+                rows.append(f"| {a['seed']} | {name} | not reached | - | {path} |")
+                continue
+            per[name].append(ref_s / mine)
+            rows.append(f"| {a['seed']} | {name} | {ref_s / mine:.2f}x | {'recorded' if recorded else 'this run'} "
+                        f"| {path} |")
+    foot = []
+    for name, xs in sorted(per.items()):
+        ci = f", 95% interval [{interval95(xs)[0]:.2f}x, {interval95(xs)[1]:.2f}x]" if len(xs) > 1 else ""
+        foot.append(f"{name}: {len(xs)} runs, {statistics.fmean(xs):.2f}x sooner than {reference}{ci}, "
+                    f"range {min(xs):.2f}-{max(xs):.2f}x")
+    return "\n".join(rows + [""] + foot)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+", help="time_to_loss.py results.json files")
@@ -119,8 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-at", type=float, default=0.75, help="the target: the reference's loss at this "
                    "fraction of its run")
     p.add_argument("--window", type=int, default=10, help="logged iterations in the loss's moving mean")
+    p.add_argument("--time", action="store_true", help="also the time to the target per file, with the mean "
+                   "over the files (pass runs of one host and link: times depend on them)")
     a = p.parse_args(argv)
     print(table(curves(a.results), a.reference, a.target_at, a.window))
+    if a.time:
+        print("\n" + speedups(a.results, a.reference))
     return 0
 
 

@@ -59,3 +59,28 @@ def test_one_system_with_two_curves_for_a_seed_is_refused(seeds, tmp_path):
              _results(tmp_path / "b.json", 1, 0.0, {"replicated": [5.0, 4.0, 3.0, 2.5]})]
     with pytest.raises(SystemExit, match="replicated at seed 1 ran before with another curve"):
         seeds.curves(files)
+
+
+def _timed(path: Path, seed: int, runs: dict[str, tuple[list[float], float]], systems: str) -> str:
+    """A results.json whose systems ran at fixed step seconds; target 3.0 (moving mean of 1)."""
+    data = {"args": {"seed": seed, "early_grad_return": 0.0, "grad_ratio": 4.0, "window": 1, "warmup": 0,
+                     "systems": systems},
+            "target": 3.0,
+            "runs": {name: [[[i + 1, loss, step] for i, loss in enumerate(curve)]]
+                     for name, (curve, step) in runs.items()}}
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_time_to_the_target_is_paired_within_each_file(seeds, tmp_path):
+    files = [_timed(tmp_path / "a.json", 1, {"replicated": (REF, 2.0), "hybridep-c": (REF, 1.0)},
+                    "replicated,hybridep-c"),  # both reach 3.0 at step 3: 6 s against 3 s
+             _timed(tmp_path / "b.json", 2, {"hybridep-c": ([5.0, 4.0, 3.5, 2.9], 1.0),  # one step more
+                                             "replicated": (REF, 4.0)}, "hybridep-c"),  # joined: recorded
+             _timed(tmp_path / "c.json", 3, {"hybridep-c": ([5.0, 4.0, 3.5, 3.4], 1.0), "replicated": (REF, 1.0)},
+                    "replicated,hybridep-c")]  # never reaches it
+    out = seeds.speedups(files, "replicated")
+    assert f"| 1 | hybridep-c | 2.00x | this run | {files[0]} |" in out
+    assert f"| 2 | hybridep-c | 3.00x | recorded | {files[1]} |" in out  # 12 s against 4 s
+    assert f"| 3 | hybridep-c | not reached | - | {files[2]} |" in out
+    assert "hybridep-c: 2 runs, 2.50x sooner than replicated, 95% interval [" in out and "range 2.00-3.00x" in out
