@@ -138,7 +138,7 @@ def speedups(paths: list[str], reference: str) -> str:
         when = (data["target"], a.get("window", 10), a.get("warmup", 2))
         ref_s = _seconds(refs, *when)
         for system, reps in runs.items():
-            if system in (reference, f"{reference} (recorded)") or system.endswith("(recorded)"):
+            if system == reference or system.endswith("(recorded)"):
                 continue
             name = label(system, a.get("early_grad_return", 0.0), a.get("grad_ratio", 1.0))
             mine = _seconds(reps, *when)
