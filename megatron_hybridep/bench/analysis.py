@@ -189,6 +189,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         "grad_compression_ratio": cfg.grad_compression_ratio,
         "grad_values": cfg.grad_values,
         "early_grad_return": cfg.early_grad_return,
+        "cpu_cores": cfg.cores,
         "targets": [c.__dict__ for c in checks],
         "link_counters_check_mb": {"timed_windows": window, "shaped_segments": total},
         "all_to_all_probe": probe,

@@ -4,9 +4,10 @@ name the option and the fix."""
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +159,7 @@ class BenchConfig:
     early_grad_return: float = DEFAULTS["early_grad_return"]  # --hybridep-early-grad-return's rest ratio (0: off)
     auto_trials: int = DEFAULTS["auto_trials"]  # unshaped trials of auto's finalists per point (bench/finalists.py)
     rounds: int = DEFAULTS["rounds"]  # every system measured this many times per point, interleaved
+    cores: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))  # the cores the ranks share
 
     def system_micro_batches(self, system: str, pp: int = 1) -> int:
         """Micro-batches per iteration of a system whose layout has ``pp`` stages: the same global batch."""

@@ -21,6 +21,13 @@ How a prediction is made (per system, plan and point):
   goodput (selfcheck's two-way row). The borrowed experts' gradient return is such an all-to-all
   on gloo: when it lasts at least STEADY_S it is divided by the steady-state share (the probes of
   at least STEADY_S, pooled). ``uncalibrated_total`` is the same prediction without either.
+- Pipeline sends on shared cores (a layout with PP, 1F1B, ``shared_cores`` given): the testbed's ranks
+  share its cores, so a stage blocked on a send frees them for the other stages. The pipeline's
+  term is then two replays of the schedule on shared cores (plan/pipeline.one_f_one_b_shared), shaped
+  and unshaped sends, with the stage times scaled so that the free-send replay lasts the measured
+  unshaped step (all of it counted as stage compute). The cost model's own stage compute (T_pre and
+  the expert speed) is several times short of a CPU rank's step, and a wait only hides behind
+  compute there is.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from megatron_hybridep.plan.layout import Layout, LayoutResult
 from megatron_hybridep.plan.model import ModelSpec
 from megatron_hybridep.plan.network import Family
 from megatron_hybridep.plan.phases import Phase
+from megatron_hybridep.plan.pipeline import Sends, one_f_one_b_shared
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.planner import PlanningResult, choose_plan
 from megatron_hybridep.plan.topology import Level, Topology
@@ -235,18 +243,43 @@ class Prediction:
 
 
 def predict(shaped: Topology, unshaped: Topology, workload: Workload, plan: Plan, dense_params: int,
-            unshaped_step_s: float, a2a_efficiency: float = 1.0, steady_efficiency: float = 1.0) -> Prediction:
+            unshaped_step_s: float, a2a_efficiency: float = 1.0, steady_efficiency: float = 1.0,
+            shared_cores: float | None = None) -> Prediction:
     """a2a_efficiency: share of the shaped rate a bare all-to-all of this size got (1 = none measured);
-    steady_efficiency: the same for all-to-alls of at least STEADY_S (the pooled probes)."""
+    steady_efficiency: the same for all-to-alls of at least STEADY_S (the pooled probes);
+    shared_cores: the cores the testbed's ranks share (pipeline sends priced on them; module doc)."""
     net = workload.replace(collective_overhead_ms=0.0)  # the measured unshaped step holds gloo's per-call cost
     hi = network_time(shaped, net, plan, dense_params, a2a_efficiency, steady_efficiency)
     raw = network_time(shaped, net, plan, dense_params)
     lo = network_time(unshaped, net, plan, dense_params)
     phases = {k: hi.seconds.get(k, 0.0) - lo.seconds.get(k, 0.0) for k in PHASES}
     uncal = unshaped_step_s + raw.total - lo.total
+    one_f_one_b = net.pipeline_model_parallel_size > 1 and net.virtual_pipeline_model_parallel_size == 1
+    if shared_cores is not None and one_f_one_b:
+        pipe = shared_pipeline_send(shaped, unshaped, net, plan, unshaped_step_s, shared_cores)
+        uncal += pipe - phases[Phase.PIPELINE_SEND]
+        phases[Phase.PIPELINE_SEND] = pipe
     planner = CostModel(shaped, workload).evaluate(plan).total
     return Prediction(unshaped_step_s + sum(phases.values()), unshaped_step_s, phases, planner, hi.dc_uplink_bytes,
                       uncal)
+
+
+def shared_pipeline_send(shaped: Topology, unshaped: Topology, workload: Workload, plan: Plan,
+                         unshaped_step_s: float, cores: float) -> float:
+    """What the shaped WAN adds to a 1F1B pipeline whose ranks share ``cores`` (module doc)."""
+    pp, m = workload.pipeline_model_parallel_size, workload.micro_batches
+    ranks = shaped.world_size // pp
+    cost = CostModel(shaped, workload)
+    raw = cost.evaluate(plan).raw
+    f0, b0 = raw["stage_fwd"], raw["stage_bwd"]
+    scale = unshaped_step_s / one_f_one_b_shared(pp, m, f0, b0, ranks_per_stage=ranks, cores=cores)
+
+    def replay(sends: Sends) -> float:
+        t = one_f_one_b_shared(pp, m, scale * f0, scale * b0, [p.seconds for p in sends.fwd],
+                               [p.seconds for p in sends.bwd], ranks, cores)
+        return max(t, m * sends.per_micro_batch.seconds)  # sends sharing an uplink: never faster than its bytes
+
+    return replay(cost.sends) - replay(CostModel(unshaped, workload).sends)
 
 
 def plan_for_point(topology: Topology, workload: Workload, ep_size: int) -> PlanningResult:
@@ -263,5 +296,5 @@ def best_domains_plan(result: PlanningResult) -> Plan:
 
 __all__ = ["BUILTIN", "Calibration", "MEASURED", "NetworkTime", "PHASES", "Prediction", "best_domains_plan",
            "candidate_plans", "check_model", "layout_results", "load_model", "network_time", "plan_for_point",
-           "pp_layout", "predict", "recorded_model", "stage_plan", "system_plan", "testbed_topology",
-           "token_traffic_bytes"]
+           "pp_layout", "predict", "recorded_model", "shared_pipeline_send", "stage_plan", "system_plan",
+           "testbed_topology", "token_traffic_bytes"]

@@ -54,6 +54,7 @@ def recorded_session(out: Path) -> tuple[dict[str, Any], Session]:
     cfg.congestion = summary.get("congestion", "host")  # runs before 2026-11-27 had the host's TCP (BBR here)
     cfg.grad_values = summary.get("grad_values", "same")  # runs before bf16 values sent the gradient's fp32
     cfg.early_grad_return = float(summary.get("early_grad_return", 0.0))  # runs before its flag: one return
+    cfg.cores = int(summary.get("cpu_cores", 2))  # runs before 2026-12-01: 2-core hosts (their machine line)
     session = Session(cfg, tb=None, log=io.StringIO())  # type: ignore[arg-type]  # nothing is shaped
     session.events = recorded_events(out)
     session.info.update(summary["probe"])

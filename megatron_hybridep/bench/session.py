@@ -313,7 +313,7 @@ class Session:
         if layout is not None:
             work = layout_workload(work, layout.tp, layout.pp)
         return bp.predict(self.topology(shaped=True), self.topology(shaped=False), work, plan, dense, unshaped_s, eff,
-                          steady)
+                          steady, shared_cores=self.cfg.cores)
 
     @staticmethod
     def _layout_order(layout: Layout, plan: Plan) -> dict[str, Any]:

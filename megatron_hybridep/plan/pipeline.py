@@ -20,6 +20,11 @@ Two schedules, as Megatron-Core runs them (pipeline_parallel/schedules.py, check
   of compute and the busiest link (every boundary's bytes of one micro-batch: sends overlap compute
   but not each other).
 Stages are priced alike: f and b are the busiest stage's (plan/cost.py prices that one).
+
+:func:`one_f_one_b_shared` replays 1F1B on ranks that share a few cores (the CPU testbed: eight
+ranks on two cores). Computing ranks split the cores evenly; a stage blocked on a send or receive
+uses none, so the others run faster. That hides part of a stage's wait, which a collective that
+blocks every rank at once cannot (bench/predict.py prices the testbed with it).
 """
 
 from __future__ import annotations
@@ -126,6 +131,73 @@ def one_f_one_b(pp: int, m: int, f: float, b: float, fwd: Sequence[float] = (), 
     return max(clock)
 
 
+def one_f_one_b_shared(pp: int, m: int, f: float, b: float, fwd: Sequence[float] = (), bwd: Sequence[float] = (),
+                       ranks_per_stage: int = 1, cores: float | None = None) -> float:
+    """:func:`one_f_one_b` on shared cores: ``f`` and ``b`` are a rank's compute with a core to itself;
+    while k stages compute, each of their ranks runs at min(1, cores / (k ranks_per_stage)) of that
+    speed (processor sharing). ``cores`` None: a core per rank (the same result as one_f_one_b)."""
+    fwd = list(fwd) or [0.0] * (pp - 1)
+    bwd = list(bwd) or [0.0] * (pp - 1)
+    if len(fwd) != pp - 1 or len(bwd) != pp - 1:
+        raise ValueError(f"need {pp - 1} boundary times, got {len(fwd)} / {len(bwd)}")
+    if cores is not None and not cores > 0:
+        raise ValueError(f"cores must be > 0, got {cores!r}")
+    progs = [stage_program(s, pp, m) for s in range(pp)]
+    pc = [0] * pp
+    work: list[float | None] = [None] * pp   # dedicated seconds left of the F or B a stage is computing
+    until: list[float | None] = [None] * pp  # when the transfers of the p2p op a stage waits on end
+    posted: dict[tuple, float] = {}
+    done: dict[tuple, float] = {}
+    now = 0.0
+
+    def settle() -> None:
+        """Run every stage forward to its next compute or wait (posting ops unblocks peers: repeat)."""
+        moved = True
+        while moved:
+            moved = False
+            for s in range(pp):
+                while pc[s] < len(progs[s]) and work[s] is None and until[s] is None:
+                    op = progs[s][pc[s]]
+                    if op in ("F", "B"):
+                        work[s] = f if op == "F" else b
+                        break
+                    for side, msg in op:
+                        if (msg, side) not in posted:
+                            posted[(msg, side)] = now
+                            moved = True
+                    if not all((msg, "recv" if side == "send" else "send") in posted for side, msg in op):
+                        break  # the peer has not posted yet
+                    for _, msg in op:
+                        if msg not in done:
+                            done[msg] = max(posted[(msg, "send")], posted[(msg, "recv")]) + (
+                                fwd[msg[1]] if msg[0] == "a" else bwd[msg[1]])
+                    end = max(done[msg] for _, msg in op)
+                    if end > now:
+                        until[s] = end
+                        break
+                    pc[s] += 1
+                    moved = True
+
+    while True:
+        settle()
+        busy = [s for s in range(pp) if work[s] is not None]
+        waiting = [s for s in range(pp) if until[s] is not None]
+        if not busy and not waiting:
+            if any(pc[s] < len(progs[s]) for s in range(pp)):  # pragma: no cover - Megatron's program does not deadlock
+                raise RuntimeError("1F1B replay deadlocked")
+            return now
+        rate = 1.0 if cores is None or not busy else min(1.0, cores / (len(busy) * ranks_per_stage))
+        ends = {s: now + work[s] / rate for s in busy} | {s: until[s] for s in waiting}
+        t = min(ends.values())
+        for s in busy:
+            work[s] -= (t - now) * rate
+        now = t
+        for s, end in ends.items():
+            if end <= t:  # this event: the op is over
+                work[s] = until[s] = None
+                pc[s] += 1
+
+
 def stage_program(s: int, pp: int, m: int) -> list:
     """Stage s's ops in Megatron's order; a p2p op is a tuple of (side, (kind, boundary, micro-batch));
     sends off the pipeline's ends are dropped, as Megatron's are no-ops there."""
@@ -188,4 +260,4 @@ def bubble_fraction(pp: int, m: int, virtual: int = 1) -> float:
 
 
 __all__ = ["PipelineTime", "Sends", "boundary_sends", "bubble_fraction", "interleaved", "one_f_one_b",
-           "schedule_time", "stage_program"]
+           "one_f_one_b_shared", "schedule_time", "stage_program"]
