@@ -16,7 +16,9 @@ time (a boundary's bytes at the link's TCP goodput) and the replay fed with the 
 transfer time of each boundary and direction (from the later of send / receive posted to the
 receive done, mean over messages); and per boundary those effective times against the nominal.
 If the replay with the measured times matches the measured iteration, the schedule logic is right
-and only the per-message time is mispriced.
+and only the per-message time is mispriced. With --busy the same two replays on the host's shared
+cores (plan/pipeline.py one_f_one_b_shared: a stage waiting on a transfer leaves its cores to the
+others), as the bench prices pipeline sends on the testbed.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from megatron_hybridep.megatron.cpu_runtime import recvs_first  # noqa: E402
-from megatron_hybridep.plan.pipeline import one_f_one_b, stage_program  # noqa: E402
+from megatron_hybridep.plan.pipeline import one_f_one_b, one_f_one_b_shared, stage_program  # noqa: E402
 
 Message = tuple[str, int, int]  # (kind "a"/"g", boundary, micro-batch)
 
@@ -127,13 +129,17 @@ def effective_times(results: list[dict]) -> dict[tuple[str, int], list[float]]:
     return dict(out)
 
 
-def replays(pp: int, m: int, f: float, b: float, nominal: float,
-            eff: dict[tuple[str, int], list[float]]) -> tuple[float, float]:
-    """(the replay with the nominal time everywhere, the replay with each boundary's measured mean)."""
+def replays(pp: int, m: int, f: float, b: float, nominal: float, eff: dict[tuple[str, int], list[float]],
+            ranks: int = 1, cores: float | None = None) -> tuple[float, float]:
+    """(the replay with the nominal time everywhere, the replay with each boundary's measured mean);
+    ``cores``: on that many cores shared by ``ranks`` per stage (None: a core per rank)."""
     fwd = [statistics.fmean(eff[("a", k)]) for k in range(pp - 1)]
     bwd = [statistics.fmean(eff[("g", k)]) for k in range(pp - 1)]
-    return (one_f_one_b(pp, m, f, b, [nominal] * (pp - 1), [nominal] * (pp - 1)),
-            one_f_one_b(pp, m, f, b, fwd, bwd))
+    if cores is None:
+        return (one_f_one_b(pp, m, f, b, [nominal] * (pp - 1), [nominal] * (pp - 1)),
+                one_f_one_b(pp, m, f, b, fwd, bwd))
+    return (one_f_one_b_shared(pp, m, f, b, [nominal] * (pp - 1), [nominal] * (pp - 1), ranks, cores),
+            one_f_one_b_shared(pp, m, f, b, fwd, bwd, ranks, cores))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,6 +197,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run {run + 1}: measured {measured:.2f} s; replay, nominal transfers {nominal_replay:.2f} s "
                   f"({nominal_replay / measured - 1:+.0%}); replay, measured transfers {fitted_replay:.2f} s "
                   f"({fitted_replay / measured - 1:+.0%})")
+            if args.busy:  # the ranks contend for the host's cores
+                cores = len(os.sched_getaffinity(0))
+                shared_nominal, shared_fitted = replays(pp, m, args.fwd_s, args.bwd_s, nominal, eff,
+                                                        args.ranks_per_dc, cores)
+                print(f"  on {cores} shared cores: replay, nominal transfers {shared_nominal:.2f} s "
+                      f"({shared_nominal / measured - 1:+.0%}); replay, measured transfers {shared_fitted:.2f} s "
+                      f"({shared_fitted / measured - 1:+.0%})")
             for (kind, k), v in sorted(eff.items(), key=lambda kv: (kv[0][1], kv[0][0])):
                 what = f"stage {k} -> {k + 1} activations" if kind == "a" else f"stage {k + 1} -> {k} gradients"
                 print(f"  {what:<26} mean {statistics.fmean(v) * 1e3:5.0f} ms = {statistics.fmean(v) / nominal:4.2f}x "

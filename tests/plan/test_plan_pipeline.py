@@ -17,6 +17,7 @@ from megatron_hybridep.plan.pipeline import (
     bubble_fraction,
     interleaved,
     one_f_one_b,
+    one_f_one_b_shared,
     schedule_time,
 )
 from megatron_hybridep.plan.plan import Plan
@@ -128,6 +129,52 @@ def test_1f1b_steady_state_pays_two_blocking_exchanges_per_micro_batch_in_a_midd
     # the end stages exchange with one neighbour only
     step2 = one_f_one_b(2, 17, f, b, [c], [c]) - one_f_one_b(2, 16, f, b, [c], [c])
     assert step2 == pytest.approx(f + b + c)
+
+
+# ---- 1F1B on shared cores (the CPU testbed: bench/predict.py) ----------------------------------------
+@pytest.mark.parametrize("pp,m,sends", [(2, 1, [0.5]), (2, 4, [0.3]), (3, 5, [0.1, 2.0]), (4, 8, [0.5, 0.2, 1.0]),
+                                        (6, 3, [0.4] * 5)])
+def test_shared_cores_with_a_core_per_rank_is_the_plain_replay(pp, m, sends):
+    f, b = 1.0, 2.0
+    back = [x * 1.5 for x in sends]
+    plain = one_f_one_b(pp, m, f, b, sends, back)
+    assert one_f_one_b_shared(pp, m, f, b, sends, back) == pytest.approx(plain, rel=1e-12)
+    assert one_f_one_b_shared(pp, m, f, b, sends, back, ranks_per_stage=3, cores=3 * pp) == pytest.approx(plain,
+                                                                                                        rel=1e-12)
+
+
+@pytest.mark.parametrize("pp,m,ranks,cores", [(2, 2, 1, 1), (2, 8, 2, 2), (4, 8, 2, 2), (4, 3, 4, 2)])
+def test_shared_cores_with_free_sends_are_never_idle(pp, m, ranks, cores):
+    # one stage's ranks fill every core, so the cores work through all of it: the bubbles are filled
+    f, b = 1.0, 2.0
+    work = pp * ranks * m * (f + b)
+    assert one_f_one_b_shared(pp, m, f, b, ranks_per_stage=ranks, cores=cores) == pytest.approx(work / cores)
+
+
+def test_a_stage_blocked_on_a_send_frees_the_cores_for_the_others():
+    f, b, c = 1.0, 2.0, 0.5
+
+    def added(pp: int, m: int) -> tuple[float, float]:
+        """What the sends add on 2 ranks per stage and 2 cores, and in the plain replay at the
+        speed a rank has while every rank computes (the cores idle while a stage waits)."""
+        shared = (one_f_one_b_shared(pp, m, f, b, [c] * (pp - 1), [c] * (pp - 1), 2, 2)
+                  - one_f_one_b_shared(pp, m, f, b, ranks_per_stage=2, cores=2))
+        slow = pp * 2 / 2  # each rank's compute slowed by the ranks per core
+        plain = one_f_one_b(pp, m, f * slow, b * slow, [c] * (pp - 1), [c] * (pp - 1)) - one_f_one_b(
+            pp, m, f * slow, b * slow)
+        return shared, plain
+
+    # two stages: every transfer stops both, so nothing hides it
+    shared, plain = added(2, 4)
+    assert shared == pytest.approx(plain) == pytest.approx(2.5)
+    # four stages: while one boundary's stages wait the other two compute; only the fill and drain show,
+    # and they do not grow with the micro-batches (the plain replay pays 2 c per micro-batch)
+    for m in (8, 16):
+        shared, plain = added(4, m)
+        assert 0 < shared < 0.25 * plain, (m, shared, plain)
+    assert added(4, 16)[0] == pytest.approx(added(4, 8)[0])
+    with pytest.raises(ValueError, match="cores"):
+        one_f_one_b_shared(2, 1, f, b, cores=0)
 
 
 def test_interleaved_bubble_is_v_times_smaller():
