@@ -29,6 +29,10 @@ def test_effective_transfer_time_runs_from_the_later_post_to_the_receive():
     assert eff[("a", 0)] == pytest.approx([0.5]) and eff[("g", 0)] == pytest.approx([0.4])
     nominal, fitted = probe.replays(2, 4, 0.1, 0.2, 0.5, eff)
     assert fitted < nominal  # faster messages, shorter replay
+    # two stages sharing one core: never faster than with a core each, and as fast with one each
+    shared = probe.replays(2, 4, 0.1, 0.2, 0.5, eff, ranks=1, cores=1)
+    assert shared[0] > nominal and shared[1] > fitted
+    assert probe.replays(2, 4, 0.1, 0.2, 0.5, eff, ranks=1, cores=2) == pytest.approx((nominal, fitted))
 
 
 @pytest.mark.slow
@@ -46,3 +50,4 @@ def test_probe_runs_the_schedule_on_the_testbed(root_host):
     # each of the 2 boundaries, both directions, 4 messages each
     assert len(re.findall(r"mean +\d+ ms = [\d.]+x nominal \(median \d+, 4 messages\)", stdout)) == 4, stdout
     assert "$ python benchmarks/pipeline_p2p_probe.py" in stdout
+    assert re.search(r"on \d+ shared cores: replay, nominal transfers [\d.]+ s", stdout), stdout  # --busy
