@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from functools import partial
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -135,11 +136,8 @@ def replays(pp: int, m: int, f: float, b: float, nominal: float, eff: dict[tuple
     ``cores``: on that many cores shared by ``ranks`` per stage (None: a core per rank)."""
     fwd = [statistics.fmean(eff[("a", k)]) for k in range(pp - 1)]
     bwd = [statistics.fmean(eff[("g", k)]) for k in range(pp - 1)]
-    if cores is None:
-        return (one_f_one_b(pp, m, f, b, [nominal] * (pp - 1), [nominal] * (pp - 1)),
-                one_f_one_b(pp, m, f, b, fwd, bwd))
-    return (one_f_one_b_shared(pp, m, f, b, [nominal] * (pp - 1), [nominal] * (pp - 1), ranks, cores),
-            one_f_one_b_shared(pp, m, f, b, fwd, bwd, ranks, cores))
+    replay = one_f_one_b if cores is None else partial(one_f_one_b_shared, ranks_per_stage=ranks, cores=cores)
+    return replay(pp, m, f, b, [nominal] * (pp - 1), [nominal] * (pp - 1)), replay(pp, m, f, b, fwd, bwd)
 
 
 def main(argv: list[str] | None = None) -> int:
