@@ -211,7 +211,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         params_line(session.events),
         "", br.format_table(rows),
         "median of the timed iterations [min-max]; pred = cost-model prediction (WAN at the TCP goodput of the "
-        "rate, token all-to-alls calibrated by the share of it a bare gloo all-to-all of the same size got, below), "
+        "rate, token all-to-alls calibrated by a bare gloo all-to-all of the same size, below), "
         "err = (pred - measured) / measured; uncal = the error without that calibration; "
         "load = the machine's 1-minute load average around the "
         f"timed window ({os.cpu_count()} cores: above that, other jobs competed for them)", "",

@@ -15,8 +15,9 @@ How a prediction is made (per system, plan and point):
   overlapped under overlap_grad_reduce; pipeline sends for a layout with PP). Without the model's
   dense parameter count the dense all-reduce is priced as a blocking ring over every rank. Links
   run at the TCP goodput of the rate (selfcheck.TCP_GOODPUT_FRACTION).
-- Calibration, stated as such: the shaped token all-to-alls are divided by the share of the rate a
-  bare gloo all-to-all of EP's size got on the shaped WAN (the bench's probe, per point). gloo
+- Calibration, stated as such: the shaped token all-to-alls are divided by the efficiency of a
+  bare gloo all-to-all of EP's size on the shaped WAN (the bench's probe, per point; bench/probes.py:
+  a long one's share of the rate, a short one's wire time over what shaping added to it). gloo
   exchanges both directions of a pair on one TCP connection, which gets less than the one-way
   goodput (selfcheck's two-way row). The borrowed experts' gradient return is such an all-to-all
   on gloo: when it lasts at least STEADY_S it is divided by the steady-state share (the probes of

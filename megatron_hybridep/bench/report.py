@@ -45,7 +45,7 @@ class Row:
     predicted_s: float
     pred_error_pct: float  # (predicted - measured) / measured
     planner_s: float  # the cost model's own total (its overlap assumptions, compute from T_pre only)
-    a2a_efficiency: float  # share of the rate a bare gloo all-to-all of EP's size got on the shaped WAN
+    a2a_efficiency: float  # the bare gloo all-to-all probe's of EP's size (bench/probes.py)
     pred_uncal_s: float  # predicted_s with the token all-to-alls at the TCP goodput (no probe calibration)
     pred_uncal_error_pct: float
     pred_token_a2a_s: float

@@ -34,7 +34,7 @@ from megatron_hybridep.testbed.network import Testbed
 from megatron_hybridep.testbed.selfcheck import TCP_GOODPUT_FRACTION, measure_throughput
 
 PROBE_S = 0.4  # seconds per bandwidth probe (unshaped cross-DC and intra-DC)
-PROBE_REPEATS = 5  # bare all-to-alls on the shaped WAN (median)
+PROBE_REPEATS = 9  # bare all-to-alls on the unshaped, then the shaped WAN (median)
 
 
 class Progress:
@@ -68,6 +68,7 @@ class Session:
     current: tuple[int, str] | None = None
     launch_point: int | None = None  # the point the running launch serves (None: not started yet)
     shaped: bool = True
+    probes_left: list[bool] = field(default_factory=list)  # the all-to-all probes still to run: shaped or not
     candidates: list[Plan] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)  # rank 0's, from the control requests
     chosen: dict[tuple[int, str], Plan] = field(default_factory=dict)  # the plan per (point, system): HybridEP's,
@@ -123,10 +124,13 @@ class Session:
         if op == "next":
             if not self.candidates:
                 self.probe()
-                self.set_shaped(True)
+                self.probes_left = [False, True]  # the bare all-to-alls unshaped, then shaped (bench/probes.py)
+            if self.probes_left:
+                shaped = self.probes_left.pop(0)
+                self.set_shaped(shaped)
                 m = self.cfg.model  # EP's all-to-all of each point, bytes per rank
                 sizes = [p["tokens"] * m.top_k * m.hidden_size * bp.FP32 for p in self.cfg.points]
-                return {"probe": {"sizes": sizes, "repeats": PROBE_REPEATS}}
+                return {"probe": {"sizes": sizes, "repeats": PROBE_REPEATS, "shaped": shaped}}
             self.set_shaped(False)
             while True:
                 if not self.queue or self.launch_point not in (None, self.queue[0][0]):

@@ -176,8 +176,8 @@ class Worker:
         dist.barrier()
 
     def probe(self, spec: dict[str, Any]) -> None:
-        """Bare gloo all-to-alls over all ranks (EP's pattern, no model), one size per point: what
-        the shaped WAN delivers to them (time = slowest rank's; counters over the timed repeats)."""
+        """Bare gloo all-to-alls over all ranks (EP's pattern, no model), one size per point, on the WAN
+        as the parent set it (spec "shaped"): time = slowest rank's; counters over the timed repeats."""
         for point, size in enumerate(spec["sizes"]):
             before: list[tuple[int, int]] = []  # rank 0 of a DC: its uplink counters before the timed calls
             n, times = timed_all_to_alls(size, spec["repeats"], (lambda b=before: b.append(wan_counters()))
@@ -189,7 +189,8 @@ class Worker:
             dist.all_gather_object(links, link)
             if self.rank == 0:
                 self.emit("probe", point=point, bytes_per_rank=n * 4, repeats=spec["repeats"], step_s=times,
-                     median_s=statistics.median(times), link=[c for c in links if c is not None])
+                          median_s=statistics.median(times), link=[c for c in links if c is not None],
+                          shaped=spec.get("shaped", True))
 
     # ---- one system -----------------------------------------------------------------------------
     def _args(self, order: dict[str, Any]) -> Any:

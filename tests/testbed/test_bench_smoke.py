@@ -75,6 +75,11 @@ def test_bench_smoke_end_to_end(smoke_m1):
     assert "auto's finalists" in stdout
     assert (out / "bench.png").stat().st_size > 0
     summary = json.loads((out / "summary.json").read_text())
+    # the all-to-all probe ran unshaped, then shaped, at every point (bench/probes.py)
+    probes = summary["all_to_all_probe"]
+    assert set(probes) == {str(p) for p in range(SMOKE["points"])}, probes
+    assert all(v["unshaped_s"] > 0 and v["median_s"] > 0 for v in probes.values()), probes
+    assert "unshaped" in stdout
     assert summary["command"].startswith("python -m megatron_hybridep bench")
     assert "command: python -m megatron_hybridep bench" in stdout
     print(f"bench --smoke: {elapsed:.1f} s\n{stdout[-3000:]}")
