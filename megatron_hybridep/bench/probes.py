@@ -7,7 +7,7 @@ then the shaped WAN. Its efficiency is what the predictions divide the token all
   unshaped, more than a 32-token call's 3 ms of wire, and a 1 ms HTB bucket lets part of it pass at
   once. That fixed cost is already in the measured unshaped step, so a short probe's efficiency is
   its wire time over what shaping added to it (shaped minus unshaped median, at least MIN_ADDED of
-  the wire). Runs recorded before the unshaped probe (2026-12-02) keep each short probe's share of
+  the wire). Runs recorded before the unshaped probe (2026-12-01) keep each short probe's share of
   the rate, which charges the fixed cost twice.
 """
 
