@@ -30,7 +30,7 @@ How a prediction is made (per system, plan and point):
   the expert speed) is several times short of a CPU rank's step, and a wait only hides behind
   compute there is. A stage whose ranks form several EP groups (EP 1: data-parallel replicas) runs as
   that many independent pipelines, which fill each other's waits on the shared cores (measured: a
-  WAN cost of -54 to +11 ms at 8 of 8 such rows, docs/results.md): the step is then the larger of the
+  WAN cost of -54 to +14 ms at 9 of 9 such rows, docs/results.md): the step is then the larger of the
   work (the unshaped step) and one group's own 1F1B path with a core per rank and its share of the
   sends, each a lower bound.
 """

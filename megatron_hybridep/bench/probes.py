@@ -63,7 +63,7 @@ def format_probe(cfg: BenchConfig, probes: dict[int, dict[str, float]]) -> str:
     def part(p: int, v: dict[str, float]) -> str:
         text = f"{cfg.points[p]['tokens']}: {v['median_s'] * 1e3:.1f}/{v['ideal_s'] * 1e3:.1f} ms = {v['measured']:.0%}"
         if "unshaped_s" in v:
-            text += f" (unshaped {v['unshaped_s'] * 1e3:.1f} ms: +{v['added_s'] * 1e3:.1f} ms)"
+            text += f" (unshaped {v['unshaped_s'] * 1e3:.1f} ms: {v['added_s'] * 1e3:+.1f} ms)"
         return text
 
     parts = [part(p, v) for p, v in sorted(probes.items())]

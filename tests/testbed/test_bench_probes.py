@@ -49,7 +49,7 @@ def test_short_probes_count_only_what_shaping_added():
     assert probes[2]["efficiency"] == pytest.approx(0.068 / 0.074)
     assert probes[2]["unshaped_s"] == pytest.approx(0.005)
     text = format_probe(CFG, probes)
-    assert "unshaped 5.5 ms: +-0.5 ms" in text and "what shaping added" in text
+    assert "unshaped 5.5 ms: -0.5 ms" in text and "what shaping added" in text
 
 
 def test_a_short_calls_fixed_cost_is_not_charged_twice():
