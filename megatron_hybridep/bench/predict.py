@@ -28,17 +28,14 @@ How a prediction is made (per system, plan and point):
   and unshaped sends, with the stage times scaled so that the free-send replay lasts the measured
   unshaped step (all of it counted as stage compute). The cost model's own stage compute (T_pre and
   the expert speed) is several times short of a CPU rank's step, and a wait only hides behind
-  compute there is. A stage whose ranks form several EP groups (EP 1: data-parallel replicas) runs as
-  that many independent pipelines, which fill each other's waits on the shared cores (measured: a
-  WAN cost of -54 to +14 ms at 9 of 9 such rows, docs/results.md): the step is then the larger of the
-  work (the unshaped step) and one group's own 1F1B path with a core per rank and its share of the
-  sends, each a lower bound.
+  compute there is. A stage of several EP groups (EP 1: data-parallel replicas) is replayed in
+  lockstep too: its independent pipelines hide small sends entirely but not large ones (docs/results.md,
+  "Short all-to-alls and independent pipelines").
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +45,7 @@ from megatron_hybridep.plan.layout import Layout, LayoutResult
 from megatron_hybridep.plan.model import ModelSpec
 from megatron_hybridep.plan.network import Family
 from megatron_hybridep.plan.phases import Phase
-from megatron_hybridep.plan.pipeline import Sends, one_f_one_b, one_f_one_b_shared
+from megatron_hybridep.plan.pipeline import Sends, one_f_one_b_shared
 from megatron_hybridep.plan.plan import Plan
 from megatron_hybridep.plan.planner import PlanningResult, choose_plan
 from megatron_hybridep.plan.topology import Level, Topology
@@ -275,19 +272,14 @@ def shared_pipeline_send(shaped: Topology, unshaped: Topology, workload: Workloa
     """What the shaped WAN adds to a 1F1B pipeline whose ranks share ``cores`` (module doc)."""
     pp, m = workload.pipeline_model_parallel_size, workload.micro_batches
     ranks = shaped.world_size // pp
-    groups = max(1, ranks // math.prod(plan.level_counts))  # a stage's EP groups: each runs its own pipeline
     cost = CostModel(shaped, workload)
     raw = cost.evaluate(plan).raw
     f0, b0 = raw["stage_fwd"], raw["stage_bwd"]
     scale = unshaped_step_s / one_f_one_b_shared(pp, m, f0, b0, ranks_per_stage=ranks, cores=cores)
 
     def replay(sends: Sends) -> float:
-        fwd, bwd = [p.seconds for p in sends.fwd], [p.seconds for p in sends.bwd]
-        if groups == 1:  # the stage's ranks in lockstep (its EP all-to-alls)
-            t = one_f_one_b_shared(pp, m, scale * f0, scale * b0, fwd, bwd, ranks, cores)
-        else:  # independent pipelines fill each other's waits: the work, or one group's own path
-            t = max(unshaped_step_s, one_f_one_b(pp, m, scale * f0, scale * b0, [x / groups for x in fwd],
-                                                 [x / groups for x in bwd]))
+        t = one_f_one_b_shared(pp, m, scale * f0, scale * b0, [p.seconds for p in sends.fwd],
+                               [p.seconds for p in sends.bwd], ranks, cores)
         return max(t, m * sends.per_micro_batch.seconds)  # sends sharing an uplink: never faster than its bytes
 
     return replay(cost.sends) - replay(CostModel(unshaped, workload).sends)
