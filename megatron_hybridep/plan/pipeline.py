@@ -88,14 +88,20 @@ def boundary_sends(world: Topology, pp: int, nbytes: float, virtual: int = 1, ca
     return Sends(fwd, bwd, both)
 
 
-def one_f_one_b(pp: int, m: int, f: float, b: float, fwd: Sequence[float] = (), bwd: Sequence[float] = ()) -> float:
-    """Seconds of Megatron's non-interleaved 1F1B schedule: ``pp`` stages, ``m`` micro-batches, a
-    stage's forward ``f`` and backward ``b`` per micro-batch, ``fwd[k]`` / ``bwd[k]`` seconds of one
-    activation / gradient transfer over boundary k (default: free). Sends block (module doc)."""
+def _boundary_times(pp: int, fwd: Sequence[float], bwd: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Each boundary's transfer times both ways, free where none are given."""
     fwd = list(fwd) or [0.0] * (pp - 1)
     bwd = list(bwd) or [0.0] * (pp - 1)
     if len(fwd) != pp - 1 or len(bwd) != pp - 1:
         raise ValueError(f"need {pp - 1} boundary times, got {len(fwd)} / {len(bwd)}")
+    return fwd, bwd
+
+
+def one_f_one_b(pp: int, m: int, f: float, b: float, fwd: Sequence[float] = (), bwd: Sequence[float] = ()) -> float:
+    """Seconds of Megatron's non-interleaved 1F1B schedule: ``pp`` stages, ``m`` micro-batches, a
+    stage's forward ``f`` and backward ``b`` per micro-batch, ``fwd[k]`` / ``bwd[k]`` seconds of one
+    activation / gradient transfer over boundary k (default: free). Sends block (module doc)."""
+    fwd, bwd = _boundary_times(pp, fwd, bwd)
     progs = [stage_program(s, pp, m) for s in range(pp)]
     clock, pc = [0.0] * pp, [0] * pp
     posted: dict[tuple, float] = {}  # (message, side) -> time its op was posted
@@ -136,10 +142,7 @@ def one_f_one_b_shared(pp: int, m: int, f: float, b: float, fwd: Sequence[float]
     """:func:`one_f_one_b` on shared cores: ``f`` and ``b`` are a rank's compute with a core to itself;
     while k stages compute, each of their ranks runs at min(1, cores / (k ranks_per_stage)) of that
     speed (processor sharing). ``cores`` None: a core per rank (the same result as one_f_one_b)."""
-    fwd = list(fwd) or [0.0] * (pp - 1)
-    bwd = list(bwd) or [0.0] * (pp - 1)
-    if len(fwd) != pp - 1 or len(bwd) != pp - 1:
-        raise ValueError(f"need {pp - 1} boundary times, got {len(fwd)} / {len(bwd)}")
+    fwd, bwd = _boundary_times(pp, fwd, bwd)
     if cores is not None and not cores > 0:
         raise ValueError(f"cores must be > 0, got {cores!r}")
     progs = [stage_program(s, pp, m) for s in range(pp)]
