@@ -65,7 +65,8 @@ def analyse(cfg: BenchConfig, session: Session, events: list[dict[str, Any]], el
             plan = bp.system_plan(e["system"], shaped, cfg.model.num_experts)
         base = calib[(e["system"], e["plan"], e["point"])]
         eff = probes.get(e["point"], {}).get("efficiency", 1.0)
-        pred = session.prediction(e["point"], e["system"], plan, base["median_s"], dense, eff, steady, lay)
+        pred = session.prediction(e["point"], e["system"], plan, base["median_s"], dense, eff, steady, lay,
+                                  base["ranks"])
         rows.append(make_row(cfg, e, base, pred, ep_median[e["point"]], eff, rep_median.get(e["point"])))
     rows = with_auto_rows(rows, session)
     checks = br.check_targets(rows)

@@ -36,6 +36,7 @@ class Finalist:
     same_as: str | None = None  # the system measured at the point with this configuration
     unshaped_s: float | None = None  # its measured unshaped step (the system's calibration, or a trial)
     predicted_s: float | None = None  # unshaped_s + the network the cost model adds when the WAN is shaped
+    unshaped_ranks: dict[str, float] | None = None  # that run's per-rank figures (bench/worker.py)
     compressed: bool = False  # the plan runs the codec (the planner's candidate)
 
     @property

@@ -31,6 +31,12 @@ How a prediction is made (per system, plan and point):
   compute there is. A stage of several EP groups (EP 1: data-parallel replicas) is replayed in
   lockstep too: its independent pipelines hide small sends entirely but not large ones (docs/results.md,
   "Short all-to-alls and independent pipelines").
+- Prefetched expert gathers behind what the unshaped step ran (``gather_lead``, from its calibration):
+  the cost model hides a gather behind its own T_pre (and all-to-alls on other links), which on CPU ranks
+  is a few percent of what runs between a gather's launch and its use. The ranks time that (the gather's
+  issue-to-use time less its wait, the first MoE layer's apart: it launches after the optimizer step);
+  a gather of the shaped WAN's length then waits for what exceeds it. All-to-alls on the gather's links
+  in that window share them, so their own shaped time is priced apart and adds no cover.
 """
 
 from __future__ import annotations
@@ -236,6 +242,38 @@ def network_time(topology: Topology, workload: Workload, plan: Plan, dense_param
 
 
 @dataclass(frozen=True)
+class GatherLead:
+    """What ran on the unshaped testbed between a prefetched expert gather's launch and its use, per
+    iteration (seconds, mean over ranks): every gather's, and the first MoE layer's apart where the run
+    recorded it (older runs: None)."""
+
+    total_s: float
+    calls: float  # gathers per iteration (every layer's, every micro-batch that gathers)
+    first_s: float | None = None
+    first_calls: float = 0.0
+
+    @classmethod
+    def from_ranks(cls, ranks: dict[str, float] | None) -> GatherLead | None:
+        """From a measured point's ``ranks`` (bench/worker.py); None where it ran no gather."""
+        g = Phase.EXPERT_ALLGATHER
+        if not ranks or ranks.get(f"{g}_wall_s", 0.0) <= 0:
+            return None
+        total = ranks[f"{g}_wall_s"] - ranks[f"{g}_s"]
+        if f"{g}_calls" not in ranks:  # recorded before 2026-12-02: the mean over the prediction's calls
+            return cls(total, 0.0)
+        return cls(total, ranks[f"{g}_calls"], ranks[f"{g}_first_lead_s"], ranks[f"{g}_first_calls"])
+
+    def exposed(self, gather_s: float, calls: int) -> float:
+        """Seconds ``calls`` gathers of ``gather_s`` each wait per iteration, each behind its lead."""
+        if self.first_s is None or not self.calls or self.first_calls >= self.calls:
+            return calls * max(0.0, gather_s - self.total_s / (self.calls or calls))
+        first = self.first_s / max(self.first_calls, 1.0)
+        later = (self.total_s - self.first_s) / (self.calls - self.first_calls)
+        share = self.first_calls / self.calls  # of the prediction's calls
+        return calls * (share * max(0.0, gather_s - first) + (1 - share) * max(0.0, gather_s - later))
+
+
+@dataclass(frozen=True)
 class Prediction:
     total: float  # predicted step seconds (token all-to-alls calibrated by the probe)
     base: float  # measured unshaped step seconds it starts from
@@ -247,10 +285,11 @@ class Prediction:
 
 def predict(shaped: Topology, unshaped: Topology, workload: Workload, plan: Plan, dense_params: int,
             unshaped_step_s: float, a2a_efficiency: float = 1.0, steady_efficiency: float = 1.0,
-            shared_cores: float | None = None) -> Prediction:
+            shared_cores: float | None = None, gather_lead: GatherLead | None = None) -> Prediction:
     """a2a_efficiency: share of the shaped rate a bare all-to-all of this size got (1 = none measured);
     steady_efficiency: the same for all-to-alls of at least STEADY_S (the pooled probes);
-    shared_cores: the cores the testbed's ranks share (pipeline sends priced on them; module doc)."""
+    shared_cores: the cores the testbed's ranks share (pipeline sends priced on them; module doc);
+    gather_lead: what hid the expert gathers in the unshaped step (module doc; None: the cost model's cover)."""
     net = workload.replace(collective_overhead_ms=0.0)  # the measured unshaped step holds gloo's per-call cost
     hi = network_time(shaped, net, plan, dense_params, a2a_efficiency, steady_efficiency)
     raw = network_time(shaped, net, plan, dense_params)
@@ -262,6 +301,10 @@ def predict(shaped: Topology, unshaped: Topology, workload: Workload, plan: Plan
         pipe = shared_pipeline_send(shaped, unshaped, net, plan, unshaped_step_s, shared_cores)
         uncal += pipe - phases[Phase.PIPELINE_SEND]
         phases[Phase.PIPELINE_SEND] = pipe
+    if gather_lead is not None:
+        gathers = measured_cover_gathers(shaped, unshaped, net, plan, gather_lead)
+        uncal += gathers - phases[Phase.EXPERT_ALLGATHER]
+        phases[Phase.EXPERT_ALLGATHER] = gathers
     planner = CostModel(shaped, workload).evaluate(plan).total
     return Prediction(unshaped_step_s + sum(phases.values()), unshaped_step_s, phases, planner, hi.dc_uplink_bytes,
                       uncal)
@@ -285,6 +328,16 @@ def shared_pipeline_send(shaped: Topology, unshaped: Topology, workload: Workloa
     return replay(cost.sends) - replay(CostModel(unshaped, workload).sends)
 
 
+def measured_cover_gathers(shaped: Topology, unshaped: Topology, workload: Workload, plan: Plan,
+                           lead: GatherLead) -> float:
+    """What the shaped WAN adds to the expert gathers' waits behind the measured ``lead`` (module doc);
+    the codec's compute is in the measured unshaped step."""
+    cb = CostModel(shaped, workload).evaluate(plan)
+    calls = workload.stage_moe_layers * (1 if cb.borrowed_copies == "iteration" else workload.micro_batches)
+    lo = CostModel(unshaped, workload).evaluate(plan).raw[Phase.EXPERT_ALLGATHER]
+    return lead.exposed(cb.raw[Phase.EXPERT_ALLGATHER], calls) - lead.exposed(lo, calls)
+
+
 def plan_for_point(topology: Topology, workload: Workload, ep_size: int) -> PlanningResult:
     """The planner's choice for one point (its own cost model, every candidate incl. replicated); the
     compressed system's domains all compressed (it is the system that compresses)."""
@@ -297,7 +350,7 @@ def best_domains_plan(result: PlanningResult) -> Plan:
     return dataclasses.replace(plan, predicted={}, link_bytes={})
 
 
-__all__ = ["BUILTIN", "Calibration", "MEASURED", "NetworkTime", "PHASES", "Prediction", "best_domains_plan",
-           "candidate_plans", "check_model", "layout_results", "load_model", "network_time", "plan_for_point",
-           "pp_layout", "predict", "recorded_model", "shared_pipeline_send", "stage_plan", "system_plan",
-           "testbed_topology", "token_traffic_bytes"]
+__all__ = ["BUILTIN", "Calibration", "GatherLead", "MEASURED", "NetworkTime", "PHASES", "Prediction",
+           "best_domains_plan", "candidate_plans", "check_model", "layout_results", "load_model",
+           "measured_cover_gathers", "network_time", "plan_for_point", "pp_layout", "predict", "recorded_model",
+           "shared_pipeline_send", "stage_plan", "system_plan", "testbed_topology", "token_traffic_bytes"]

@@ -202,20 +202,20 @@ class Session:
             self.finals[key] = kept
             self.info.setdefault("finalists", {})[f"{point} {system}"] = {"dropped": [f.name for f in dropped]}
         for f in self.finals[key]:
-            if f.unshaped_s is None:
-                f.unshaped_s = self._unshaped(point, system, f)
+            if f.unshaped_s is None and (e := self._unshaped(point, system, f)) is not None:
+                f.unshaped_s, f.unshaped_ranks = float(e["median_s"]), e.get("ranks")
             if f.unshaped_s is None:
                 self.say(f"point {point}: {system}: unshaped trial of {f.name} (planner: {f.planner_s * 1e3:,.0f} ms)")
                 return self._compressed(system, {**self._layout_order(f.layout, f.plan), "trial": True})
         return None
 
-    def _unshaped(self, point: int, system: str, f: bf.Finalist) -> float | None:
-        """A finalist's unshaped step: its twin system's calibration at ``point``, or its own trial's."""
+    def _unshaped(self, point: int, system: str, f: bf.Finalist) -> dict[str, Any] | None:
+        """A finalist's unshaped run: its twin system's calibration at ``point``, or its own trial."""
         for e in reversed(self.events):
             if e["event"] == "point" and e["point"] == point and (
                     (e["phase"] == "calibrate" and e["system"] == f.same_as)
                     or (e["phase"] == "trial" and e["system"] == system and e["plan"] == f.name)):
-                return float(e["median_s"])
+                return e
         return None
 
     def same_system(self, point: int, system: str = "auto") -> str | None:
@@ -301,7 +301,8 @@ class Session:
         cands = self.finals[(point, system)]
         for f in cands:
             assert f.unshaped_s is not None  # _trial ran first
-            f.predicted_s = self.prediction(point, system, f.plan, f.unshaped_s, dense, eff, steady, f.layout).total
+            f.predicted_s = self.prediction(point, system, f.plan, f.unshaped_s, dense, eff, steady, f.layout,
+                                            f.unshaped_ranks).total
         best = bf.choose(cands)
         rec = self.info["finalists"][f"{point} {system}"]
         rec.update(chosen=best.name, finalists=[f.to_dict() for f in cands])
@@ -310,14 +311,16 @@ class Session:
         return best.layout, best.plan
 
     def prediction(self, point: int, system: str, plan: Plan, unshaped_s: float, dense: int, eff: float,
-                   steady: float, layout: Layout | None = None) -> bp.Prediction:
+                   steady: float, layout: Layout | None = None,
+                   unshaped_ranks: dict[str, float] | None = None) -> bp.Prediction:
         """A system's predicted step at ``point`` from its unshaped one (bench/predict.py); ``layout``:
-        pp's and auto's (one stage's plan in the layout's workload)."""
+        pp's and auto's (one stage's plan in the layout's workload); ``unshaped_ranks``: that run's
+        per-rank figures (its expert gathers' cover)."""
         work = self.workload(self.cfg.points[point], self.events, system)
         if layout is not None:
             work = layout_workload(work, layout.tp, layout.pp)
         return bp.predict(self.topology(shaped=True), self.topology(shaped=False), work, plan, dense, unshaped_s, eff,
-                          steady, shared_cores=self.cfg.cores)
+                          steady, shared_cores=self.cfg.cores, gather_lead=bp.GatherLead.from_ranks(unshaped_ranks))
 
     @staticmethod
     def _layout_order(layout: Layout, plan: Plan) -> dict[str, Any]:

@@ -348,13 +348,19 @@ class Worker:
 
 def _stats_row(stats: Any) -> dict[str, float]:
     """Seconds and inter-DC payload bytes per phase of one step (runtime/instrument.Stats), and the
-    expert gathers' issue-to-use time (the compute a prefetched gather overlaps)."""
+    expert gathers' issue-to-use time (wall: their launch to their use; less the wait, the compute a
+    prefetched gather overlaps), the first MoE layer's apart (its gather launches after the optimizer step)."""
     out: dict[str, float] = {}
     for phase in MEASURED:
         out[f"{phase}_s"] = stats.seconds_by(phase=phase, level="all")
         out[f"{phase}_dc_bytes"] = float(stats.bytes_by(phase=phase, level="dc"))
-    out[f"{Phase.EXPERT_ALLGATHER}_wall_s"] = sum(r.wall for (_, phase, _, level), r in stats.records.items()
-                                                  if phase == Phase.EXPERT_ALLGATHER and level == "all")
+    gathers = [(layer, r) for (layer, phase, _, level), r in stats.records.items()
+               if phase == Phase.EXPERT_ALLGATHER and level == "all"]
+    first = min((layer for layer, _ in gathers), default=None)  # launched after the optimizer step
+    out[f"{Phase.EXPERT_ALLGATHER}_wall_s"] = sum(r.wall for _, r in gathers)
+    out[f"{Phase.EXPERT_ALLGATHER}_calls"] = float(sum(r.calls for _, r in gathers))
+    out[f"{Phase.EXPERT_ALLGATHER}_first_lead_s"] = sum(r.wall - r.seconds for layer, r in gathers if layer == first)
+    out[f"{Phase.EXPERT_ALLGATHER}_first_calls"] = float(sum(r.calls for layer, r in gathers if layer == first))
     return out
 
 
