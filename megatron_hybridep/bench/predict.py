@@ -285,11 +285,13 @@ class Prediction:
 
 def predict(shaped: Topology, unshaped: Topology, workload: Workload, plan: Plan, dense_params: int,
             unshaped_step_s: float, a2a_efficiency: float = 1.0, steady_efficiency: float = 1.0,
-            shared_cores: float | None = None, gather_lead: GatherLead | None = None) -> Prediction:
+            shared_cores: float | None = None, gather_lead: GatherLead | None = None,
+            rank_cpu_s: float | None = None) -> Prediction:
     """a2a_efficiency: share of the shaped rate a bare all-to-all of this size got (1 = none measured);
     steady_efficiency: the same for all-to-alls of at least STEADY_S (the pooled probes);
     shared_cores: the cores the testbed's ranks share (pipeline sends priced on them; module doc);
-    gather_lead: what hid the expert gathers in the unshaped step (module doc; None: the cost model's cover)."""
+    gather_lead: what hid the expert gathers in the unshaped step (module doc; None: the cost model's cover);
+    rank_cpu_s: a rank's CPU seconds in the unshaped step (pipeline sends on shared cores; None: saturated)."""
     net = workload.replace(collective_overhead_ms=0.0)  # the measured unshaped step holds gloo's per-call cost
     hi = network_time(shaped, net, plan, dense_params, a2a_efficiency, steady_efficiency)
     raw = network_time(shaped, net, plan, dense_params)
@@ -298,7 +300,7 @@ def predict(shaped: Topology, unshaped: Topology, workload: Workload, plan: Plan
     uncal = unshaped_step_s + raw.total - lo.total
     one_f_one_b = net.pipeline_model_parallel_size > 1 and net.virtual_pipeline_model_parallel_size == 1
     if shared_cores is not None and one_f_one_b:
-        pipe = shared_pipeline_send(shaped, unshaped, net, plan, unshaped_step_s, shared_cores)
+        pipe = shared_pipeline_send(shaped, unshaped, net, plan, unshaped_step_s, shared_cores, rank_cpu_s)
         uncal += pipe - phases[Phase.PIPELINE_SEND]
         phases[Phase.PIPELINE_SEND] = pipe
     if gather_lead is not None:
@@ -311,21 +313,41 @@ def predict(shaped: Topology, unshaped: Topology, workload: Workload, plan: Plan
 
 
 def shared_pipeline_send(shaped: Topology, unshaped: Topology, workload: Workload, plan: Plan,
-                         unshaped_step_s: float, cores: float) -> float:
-    """What the shaped WAN adds to a 1F1B pipeline whose ranks share ``cores`` (module doc)."""
+                         unshaped_step_s: float, cores: float, rank_cpu_s: float | None = None) -> float:
+    """What the shaped WAN adds to a 1F1B pipeline whose ranks share ``cores`` (module doc);
+    ``rank_cpu_s``: a rank's CPU seconds in the unshaped step (its duty, :func:`pipeline_duty`)."""
     pp, m = workload.pipeline_model_parallel_size, workload.micro_batches
     ranks = shaped.world_size // pp
     cost = CostModel(shaped, workload)
     raw = cost.evaluate(plan).raw
     f0, b0 = raw["stage_fwd"], raw["stage_bwd"]
-    scale = unshaped_step_s / one_f_one_b_shared(pp, m, f0, b0, ranks_per_stage=ranks, cores=cores)
+    duty = 1.0 if rank_cpu_s is None else pipeline_duty(pp, m, f0, b0, ranks, cores, unshaped_step_s, rank_cpu_s)
+    scale = unshaped_step_s / one_f_one_b_shared(pp, m, f0, b0, ranks_per_stage=ranks, cores=cores, duty=duty)
 
     def replay(sends: Sends) -> float:
         t = one_f_one_b_shared(pp, m, scale * f0, scale * b0, [p.seconds for p in sends.fwd],
-                               [p.seconds for p in sends.bwd], ranks, cores)
+                               [p.seconds for p in sends.bwd], ranks, cores, duty)
         return max(t, m * sends.per_micro_batch.seconds)  # sends sharing an uplink: never faster than its bytes
 
     return replay(cost.sends) - replay(CostModel(unshaped, workload).sends)
+
+
+def pipeline_duty(pp: int, m: int, f0: float, b0: float, ranks: int, cores: float, step_s: float,
+                  rank_cpu_s: float) -> float:
+    """The share of its compute a rank keeps a core busy, from the unshaped step: with the stage times
+    scaled until the free-send replay lasts ``step_s``, a rank's CPU seconds are duty x its compute
+    (m (f + b)); a lower duty contends less for the cores, so the replay needs longer stages. 1 when the
+    cores were saturated (or the ranks report more CPU than that: the step's other work)."""
+    def cpu(duty: float) -> float:
+        return duty * step_s * m * (f0 + b0) / one_f_one_b_shared(pp, m, f0, b0, ranks_per_stage=ranks,
+                                                                     cores=cores, duty=duty)
+    if rank_cpu_s >= cpu(1.0):
+        return 1.0
+    lo, hi = 1e-3, 1.0  # cpu() rises with duty (less contention shortens the replay less than duty drops)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cpu(mid) < rank_cpu_s else (lo, mid)
+    return hi
 
 
 def measured_cover_gathers(shaped: Topology, unshaped: Topology, workload: Workload, plan: Plan,
@@ -352,5 +374,6 @@ def best_domains_plan(result: PlanningResult) -> Plan:
 
 __all__ = ["BUILTIN", "Calibration", "GatherLead", "MEASURED", "NetworkTime", "PHASES", "Prediction",
            "best_domains_plan", "candidate_plans", "check_model", "layout_results", "load_model",
-           "measured_cover_gathers", "network_time", "plan_for_point", "pp_layout", "predict", "recorded_model",
-           "shared_pipeline_send", "stage_plan", "system_plan", "testbed_topology", "token_traffic_bytes"]
+           "measured_cover_gathers", "network_time", "pipeline_duty", "plan_for_point", "pp_layout", "predict",
+           "recorded_model", "shared_pipeline_send", "stage_plan", "system_plan", "testbed_topology",
+           "token_traffic_bytes"]

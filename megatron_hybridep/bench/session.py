@@ -320,7 +320,8 @@ class Session:
         if layout is not None:
             work = layout_workload(work, layout.tp, layout.pp)
         return bp.predict(self.topology(shaped=True), self.topology(shaped=False), work, plan, dense, unshaped_s, eff,
-                          steady, shared_cores=self.cfg.cores, gather_lead=bp.GatherLead.from_ranks(unshaped_ranks))
+                          steady, shared_cores=self.cfg.cores, gather_lead=bp.GatherLead.from_ranks(unshaped_ranks),
+                          rank_cpu_s=(unshaped_ranks or {}).get("cpu_s"))
 
     @staticmethod
     def _layout_order(layout: Layout, plan: Plan) -> dict[str, Any]:

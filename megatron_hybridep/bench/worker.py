@@ -316,14 +316,16 @@ class Worker:
         counters0 = wan_counters() if self.local_rank == 0 else None
         rows = []
         dist.barrier()  # the window starts together; no barrier between steps (training has none)
-        last = time.perf_counter()
+        last, cpu = time.perf_counter(), time.process_time()
         for micro in batches[warmup:]:
             stats.reset()
             timer.reset()
             out = train_step(state, micro)
-            now = time.perf_counter()
-            rows.append({"step_s": now - last, "loss": out["loss"], **timer.t, **_stats_row(stats)})
-            last = now
+            now, cpu_now = time.perf_counter(), time.process_time()
+            # cpu_s: the rank's CPU seconds in the step (all its threads): how much of its wall time used a core
+            rows.append({"step_s": now - last, "cpu_s": cpu_now - cpu, "loss": out["loss"], **timer.t,
+                         **_stats_row(stats)})
+            last, cpu = now, cpu_now
         dist.barrier()
         link = None
         if counters0 is not None:

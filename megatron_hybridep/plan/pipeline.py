@@ -138,13 +138,16 @@ def one_f_one_b(pp: int, m: int, f: float, b: float, fwd: Sequence[float] = (), 
 
 
 def one_f_one_b_shared(pp: int, m: int, f: float, b: float, fwd: Sequence[float] = (), bwd: Sequence[float] = (),
-                       ranks_per_stage: int = 1, cores: float | None = None) -> float:
-    """:func:`one_f_one_b` on shared cores: ``f`` and ``b`` are a rank's compute with a core to itself;
-    while k stages compute, each of their ranks runs at min(1, cores / (k ranks_per_stage)) of that
-    speed (processor sharing). ``cores`` None: a core per rank (the same result as one_f_one_b)."""
+                       ranks_per_stage: int = 1, cores: float | None = None, duty: float = 1.0) -> float:
+    """:func:`one_f_one_b` on shared cores: ``f`` and ``b`` are a rank's compute with a core to itself,
+    of which it keeps a core busy ``duty`` (the rest waits on something other than the cores); while k
+    stages compute, each of their ranks runs at min(1, cores / (k ranks_per_stage duty)) of that speed
+    (processor sharing). ``cores`` None: a core per rank (the same result as one_f_one_b)."""
     fwd, bwd = _boundary_times(pp, fwd, bwd)
     if cores is not None and not cores > 0:
         raise ValueError(f"cores must be > 0, got {cores!r}")
+    if not 0 < duty <= 1:
+        raise ValueError(f"duty must be in (0, 1], got {duty!r}")
     progs = [stage_program(s, pp, m) for s in range(pp)]
     pc = [0] * pp
     work: list[float | None] = [None] * pp   # dedicated seconds left of the F or B a stage is computing
@@ -189,7 +192,7 @@ def one_f_one_b_shared(pp: int, m: int, f: float, b: float, fwd: Sequence[float]
             if any(pc[s] < len(progs[s]) for s in range(pp)):  # pragma: no cover - Megatron's program does not deadlock
                 raise RuntimeError("1F1B replay deadlocked")
             return now
-        rate = 1.0 if cores is None or not busy else min(1.0, cores / (len(busy) * ranks_per_stage))
+        rate = 1.0 if cores is None or not busy else min(1.0, cores / (len(busy) * ranks_per_stage * duty))
         ends = {s: now + work[s] / rate for s in busy} | {s: until[s] for s in waiting}
         t = min(ends.values())
         for s in busy:

@@ -177,6 +177,24 @@ def test_a_stage_blocked_on_a_send_frees_the_cores_for_the_others():
         one_f_one_b_shared(2, 1, f, b, cores=0)
 
 
+def test_ranks_that_keep_a_core_busy_part_of_their_compute_contend_less():
+    f, b, c = 1.0, 2.0, 0.5
+    sends = [c] * 3
+    # a duty of half: 4 stages x 2 ranks demand 4 cores' worth, on 8 cores nothing slows
+    assert one_f_one_b_shared(4, 8, f, b, sends, sends, 2, 8, duty=0.5) == pytest.approx(
+        one_f_one_b(4, 8, f, b, sends, sends), rel=1e-12)
+    # on 2 cores they still contend, half as much: the steady state twice as fast as at a duty of 1 (the
+    # fill and drain, fewer ranks computing, at a core each: no faster)
+    full, half = (one_f_one_b_shared(4, 8, f, b, ranks_per_stage=2, cores=2, duty=d) for d in (1.0, 0.5))
+    assert full / 2 < half < 0.6 * full
+    # the less the ranks contend, the less of a wait the others' compute fills
+    added = [one_f_one_b_shared(4, 8, f, b, sends, sends, 1, 2, duty=d) - one_f_one_b_shared(4, 8, f, b, [0] * 3,
+             [0] * 3, 1, 2, duty=d) for d in (1.0, 0.6, 0.3)]
+    assert added[0] < added[1] < added[2] <= one_f_one_b(4, 8, f, b, sends, sends) - one_f_one_b(4, 8, f, b) + 1e-9
+    with pytest.raises(ValueError, match="duty"):
+        one_f_one_b_shared(2, 1, f, b, cores=2, duty=0)
+
+
 def test_interleaved_bubble_is_v_times_smaller():
     f, b, pp, m = 1.0, 2.0, 4, 8
     for v in (1, 2, 4):

@@ -15,7 +15,7 @@ RECORDED = (Path(__file__).resolve().parents[2] / "docs" / "results" / "layout_b
             / "4dc_x_2_deep_50mbit_m8_w10g4b16_reno_rounds2_quiet_host")
 
 
-def _pp(dcs: int, cores: float | None, step_s: float = 2.0) -> bp.Prediction:
+def _pp(dcs: int, cores: float | None, step_s: float = 2.0, cpu_s: float | None = None) -> bp.Prediction:
     shaped = bp.testbed_topology(dcs, 2, 300.0, 20_000.0)
     unshaped = bp.testbed_topology(dcs, 2, 3_000.0, 20_000.0)
     model = bp.BUILTIN.replace(num_layers=4)
@@ -24,7 +24,7 @@ def _pp(dcs: int, cores: float | None, step_s: float = 2.0) -> bp.Prediction:
     lay = bp.pp_layout(dcs, 2, 8)
     work = layout_workload(work, 1, lay.pp).replace(micro_batches=lay.micro_batches)
     plan = bp.stage_plan(shaped, lay.pp, lay.ep, model.num_experts)
-    return bp.predict(shaped, unshaped, work, plan, 60_000, step_s, shared_cores=cores)
+    return bp.predict(shaped, unshaped, work, plan, 60_000, step_s, shared_cores=cores, rank_cpu_s=cpu_s)
 
 
 def test_two_stages_wait_together_four_stages_hide_behind_each_other():
@@ -61,3 +61,23 @@ def test_the_recorded_four_stage_run_is_predicted_within_ten_percent(tmp_path):
     assert abs(float(after["pred_error_pct"])) <= 10, after
     assert float(after["pred_pipeline_send_s"]) < float(before["pred_pipeline_send_s"])
     assert json.loads((copy / "summary.json").read_text())["cpu_cores"] == 2
+
+
+def test_the_ranks_cpu_seconds_say_how_much_of_the_step_contended_for_the_cores():
+    from megatron_hybridep.plan.pipeline import one_f_one_b_shared
+
+    # the duty is recovered from a replay's own step and CPU seconds
+    pp, m, f, b = 4, 16, 0.01, 0.02
+    for duty in (1.0, 0.7, 0.3):
+        step = one_f_one_b_shared(pp, m, f, b, ranks_per_stage=2, cores=2, duty=duty)
+        found = bp.pipeline_duty(pp, m, f, b, 2, 2, step, duty * m * (f + b))
+        assert found == pytest.approx(duty, rel=1e-6)
+    assert bp.pipeline_duty(pp, m, f, b, 2, 2, 1.0, 10.0) == 1.0  # more CPU than the cores hold: saturated
+    # 4 DCs x 2 on 2 cores, a 2 s step: saturated, each rank uses 2 cores / 8 ranks of it (the default)
+    saturated, default = _pp(4, 2, cpu_s=0.5), _pp(4, 2)
+    assert saturated.phases["pipeline_send"] == pytest.approx(default.phases["pipeline_send"], rel=1e-6)
+    # ranks that used a core a fifth of that contended less: their waits hide less, never more than on a
+    # core each
+    idle = _pp(4, 2, cpu_s=0.1)
+    assert default.phases["pipeline_send"] < idle.phases["pipeline_send"]
+    assert idle.phases["pipeline_send"] <= _pp(4, None).phases["pipeline_send"] * 1.01

@@ -80,6 +80,16 @@ def test_bench_smoke_end_to_end(smoke_m1):
     assert set(probes) == {str(p) for p in range(SMOKE["points"])}, probes
     assert all(v["unshaped_s"] > 0 and v["median_s"] > 0 for v in probes.values()), probes
     assert "unshaped" in stdout
+    # each point's ranks report their CPU seconds and their gathers' lead, the first layer's apart (bench/worker.py)
+    from megatron_hybridep.bench.reanalyse import recorded_events
+
+    points = [e["ranks"] for e in recorded_events(out) if e["event"] == "point"]
+    assert points and all(r["cpu_s"] > 0 for r in points)
+    gathered = [r for r in points if r["expert_allgather_wall_s"] > 0]
+    assert gathered, "no system gathered experts"
+    for r in gathered:
+        assert r["expert_allgather_calls"] >= r["expert_allgather_first_calls"] >= 1, r
+        assert 0 <= r["expert_allgather_first_lead_s"] <= r["expert_allgather_wall_s"], r
     assert summary["command"].startswith("python -m megatron_hybridep bench")
     assert "command: python -m megatron_hybridep bench" in stdout
     print(f"bench --smoke: {elapsed:.1f} s\n{stdout[-3000:]}")
