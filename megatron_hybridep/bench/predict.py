@@ -28,9 +28,13 @@ How a prediction is made (per system, plan and point):
   and unshaped sends, with the stage times scaled so that the free-send replay lasts the measured
   unshaped step (all of it counted as stage compute). The cost model's own stage compute (T_pre and
   the expert speed) is several times short of a CPU rank's step, and a wait only hides behind
-  compute there is. A stage of several EP groups (EP 1: data-parallel replicas) is replayed in
-  lockstep too: its independent pipelines hide small sends entirely but not large ones (docs/results.md,
-  "Short all-to-alls and independent pipelines").
+  compute there is; and only where the ranks kept the cores busy: the unshaped step's CPU seconds per
+  rank (``rank_cpu_s``) give the share of its compute a rank uses a core (:func:`pipeline_duty`). A
+  stage of several EP groups (EP 1: data-parallel replicas, nothing couples them until the gradient
+  reduction) is replayed as that many pipelines sharing the cores and the boundary links, started
+  GROUP_PHASE / k of a micro-batch apart: in step they would wait together, measured they hide small
+  sends almost entirely and large ones in part (docs/results.md, "Expert gathers behind their measured
+  lead").
 - Prefetched expert gathers behind what the unshaped step ran (``gather_lead``, from its calibration):
   the cost model hides a gather behind its own T_pre (and all-to-alls on other links), which on CPU ranks
   is a few percent of what runs between a gather's launch and its use. The ranks time that (the gather's
@@ -58,6 +62,9 @@ from megatron_hybridep.plan.topology import Level, Topology
 from megatron_hybridep.plan.workload import Workload
 
 STEADY_S = 0.05  # all-to-alls at least this long at the rate see steady-state TCP (one pooled efficiency)
+# a stage's independent pipelines (EP 1 stages) replayed out of step: k groups start 0.25 / k of a micro-batch's
+# compute apart (fitted on the recorded EP 1 rows; 0.5 hides too much of large sends: docs/results.md)
+GROUP_PHASE = 0.25
 FP32 = 4  # bytes per element: the CPU runtime trains in fp32 (activations, weights, gradients)
 # the network phases a prediction reports (plan/phases.py): token all-to-alls both ways as one
 PHASES = (Phase.TOKEN_A2A, Phase.EXPERT_ALLGATHER, Phase.GRAD_RETURN, Phase.SHARED_SYNC, Phase.EXPERT_GRAD_ALLREDUCE,
@@ -318,29 +325,34 @@ def shared_pipeline_send(shaped: Topology, unshaped: Topology, workload: Workloa
     ``rank_cpu_s``: a rank's CPU seconds in the unshaped step (its duty, :func:`pipeline_duty`)."""
     pp, m = workload.pipeline_model_parallel_size, workload.micro_batches
     ranks = shaped.world_size // pp
+    groups = ranks // plan.ep_size if plan.ep_size and ranks % plan.ep_size == 0 else 1
+    spread = {"groups": groups, "stagger": GROUP_PHASE / groups if groups > 1 else 0.0}
     cost = CostModel(shaped, workload)
     raw = cost.evaluate(plan).raw
     f0, b0 = raw["stage_fwd"], raw["stage_bwd"]
-    duty = 1.0 if rank_cpu_s is None else pipeline_duty(pp, m, f0, b0, ranks, cores, unshaped_step_s, rank_cpu_s)
-    scale = unshaped_step_s / one_f_one_b_shared(pp, m, f0, b0, ranks_per_stage=ranks, cores=cores, duty=duty)
+    duty = 1.0 if rank_cpu_s is None else pipeline_duty(pp, m, f0, b0, ranks, cores, unshaped_step_s, rank_cpu_s,
+                                                        **spread)
+    scale = unshaped_step_s / one_f_one_b_shared(pp, m, f0, b0, ranks_per_stage=ranks, cores=cores, duty=duty,
+                                                 **spread)
 
     def replay(sends: Sends) -> float:
         t = one_f_one_b_shared(pp, m, scale * f0, scale * b0, [p.seconds for p in sends.fwd],
-                               [p.seconds for p in sends.bwd], ranks, cores, duty)
+                               [p.seconds for p in sends.bwd], ranks, cores, duty, **spread)
         return max(t, m * sends.per_micro_batch.seconds)  # sends sharing an uplink: never faster than its bytes
 
     return replay(cost.sends) - replay(CostModel(unshaped, workload).sends)
 
 
 def pipeline_duty(pp: int, m: int, f0: float, b0: float, ranks: int, cores: float, step_s: float,
-                  rank_cpu_s: float) -> float:
+                  rank_cpu_s: float, groups: int = 1, stagger: float = 0.0) -> float:
     """The share of its compute a rank keeps a core busy, from the unshaped step: with the stage times
     scaled until the free-send replay lasts ``step_s``, a rank's CPU seconds are duty x its compute
     (m (f + b)); a lower duty contends less for the cores, so the replay needs longer stages. 1 when the
     cores were saturated (or the ranks report more CPU than that: the step's other work)."""
     def cpu(duty: float) -> float:
         return duty * step_s * m * (f0 + b0) / one_f_one_b_shared(pp, m, f0, b0, ranks_per_stage=ranks,
-                                                                     cores=cores, duty=duty)
+                                                                     cores=cores, duty=duty, groups=groups,
+                                                                     stagger=stagger)
     if rank_cpu_s >= cpu(1.0):
         return 1.0
     lo, hi = 1e-3, 1.0  # cpu() rises with duty (less contention shortens the replay less than duty drops)

@@ -29,7 +29,7 @@ blocks every rank at once cannot (bench/predict.py prices the testbed with it).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -138,70 +138,102 @@ def one_f_one_b(pp: int, m: int, f: float, b: float, fwd: Sequence[float] = (), 
 
 
 def one_f_one_b_shared(pp: int, m: int, f: float, b: float, fwd: Sequence[float] = (), bwd: Sequence[float] = (),
-                       ranks_per_stage: int = 1, cores: float | None = None, duty: float = 1.0) -> float:
+                       ranks_per_stage: int = 1, cores: float | None = None, duty: float = 1.0, groups: int = 1,
+                       stagger: float = 0.0) -> float:
     """:func:`one_f_one_b` on shared cores: ``f`` and ``b`` are a rank's compute with a core to itself,
     of which it keeps a core busy ``duty`` (the rest waits on something other than the cores); while k
-    stages compute, each of their ranks runs at min(1, cores / (k ranks_per_stage duty)) of that speed
-    (processor sharing). ``cores`` None: a core per rank (the same result as one_f_one_b)."""
+    pipelines' stages compute, each of their ranks runs at min(1, cores / (k ranks duty)) of that speed
+    (processor sharing). ``cores`` None: a core per rank (the same result as one_f_one_b).
+
+    ``groups``: a stage's ranks form that many independent pipelines (EP groups of data-parallel
+    replicas: nothing couples them until the gradient reduction), each of ranks_per_stage / groups
+    ranks; the transfers of one boundary and direction share its link (``fwd`` / ``bwd``: the whole
+    stage's transfer; one group's alone takes 1 / groups of it). ``stagger``: pipeline g starts
+    g x stagger x (f + b) late. In step, the groups wait together and the result is the one-group replay."""
     fwd, bwd = _boundary_times(pp, fwd, bwd)
     if cores is not None and not cores > 0:
         raise ValueError(f"cores must be > 0, got {cores!r}")
     if not 0 < duty <= 1:
         raise ValueError(f"duty must be in (0, 1], got {duty!r}")
+    if groups < 1 or ranks_per_stage % groups:
+        raise ValueError(f"groups must divide ranks_per_stage ({ranks_per_stage}), got {groups!r}")
+    ranks = ranks_per_stage // groups
     progs = [stage_program(s, pp, m) for s in range(pp)]
-    pc = [0] * pp
-    work: list[float | None] = [None] * pp   # dedicated seconds left of the F or B a stage is computing
-    until: list[float | None] = [None] * pp  # when the transfers of the p2p op a stage waits on end
-    posted: dict[tuple, float] = {}
-    done: dict[tuple, float] = {}
+    units = [(g, s) for g in range(groups) for s in range(pp)]
+    pc = dict.fromkeys(units, 0)
+    late = {u: u[0] * stagger * (f + b) for u in units if u[0] and stagger > 0}  # seconds before it starts
+    work: dict = dict.fromkeys(units)  # dedicated seconds left of the F or B a unit computes
+    waits: dict = dict.fromkeys(units)  # the transfers of the p2p op a unit waits on
+    posted: set = set()
+    left: dict = {}  # transfer (group, kind, boundary, micro-batch) -> link seconds left, in the order they started
+    done: set = set()
     now = 0.0
 
     def settle() -> None:
-        """Run every stage forward to its next compute or wait (posting ops unblocks peers: repeat)."""
+        """Run every unit forward to its next compute or wait (posting ops unblocks peers: repeat)."""
         moved = True
         while moved:
             moved = False
-            for s in range(pp):
-                while pc[s] < len(progs[s]) and work[s] is None and until[s] is None:
-                    op = progs[s][pc[s]]
+            for u in units:
+                if u in late:
+                    continue
+                g, s = u
+                if waits[u] is not None and all(k in done for k in waits[u]):
+                    waits[u] = None
+                    pc[u] += 1
+                    moved = True
+                while pc[u] < len(progs[s]) and work[u] is None and waits[u] is None:
+                    op = progs[s][pc[u]]
                     if op in ("F", "B"):
-                        work[s] = f if op == "F" else b
+                        work[u] = f if op == "F" else b
                         break
                     for side, msg in op:
-                        if (msg, side) not in posted:
-                            posted[(msg, side)] = now
+                        key = (g, *msg)
+                        if (key, side) not in posted:
+                            posted.add((key, side))
                             moved = True
-                    if not all((msg, "recv" if side == "send" else "send") in posted for side, msg in op):
-                        break  # the peer has not posted yet
-                    for _, msg in op:
-                        if msg not in done:
-                            done[msg] = max(posted[(msg, "send")], posted[(msg, "recv")]) + (
-                                fwd[msg[1]] if msg[0] == "a" else bwd[msg[1]])
-                    end = max(done[msg] for _, msg in op)
-                    if end > now:
-                        until[s] = end
+                            if (key, "recv" if side == "send" else "send") in posted:
+                                t = (fwd if msg[0] == "a" else bwd)[msg[1]] / groups
+                                if t > 0:
+                                    left[key] = t
+                                else:
+                                    done.add(key)
+                    pending = tuple(key for _, msg in op if (key := (g, *msg)) not in done)
+                    if pending:
+                        waits[u] = pending
                         break
-                    pc[s] += 1
+                    pc[u] += 1
                     moved = True
 
     while True:
         settle()
-        busy = [s for s in range(pp) if work[s] is not None]
-        waiting = [s for s in range(pp) if until[s] is not None]
-        if not busy and not waiting:
-            if any(pc[s] < len(progs[s]) for s in range(pp)):  # pragma: no cover - Megatron's program does not deadlock
+        busy = [u for u in units if work[u] is not None]
+        if not busy and not left and not late:
+            if any(pc[u] < len(progs[u[1]]) for u in units):  # pragma: no cover - Megatron's program does not deadlock
                 raise RuntimeError("1F1B replay deadlocked")
             return now
-        rate = 1.0 if cores is None or not busy else min(1.0, cores / (len(busy) * ranks_per_stage * duty))
-        ends = {s: now + work[s] / rate for s in busy} | {s: until[s] for s in waiting}
-        t = min(ends.values())
-        for s in busy:
-            work[s] -= (t - now) * rate
-        now = t
-        for s, end in ends.items():
-            if end <= t:  # this event: the op is over
-                work[s] = until[s] = None
-                pc[s] += 1
+        rate = 1.0 if cores is None or not busy else min(1.0, cores / (len(busy) * ranks * duty))
+        # one group's transfers over a boundary and direction go in order (one TCP connection per rank pair);
+        # the groups' connections share the link
+        heads = list({(k[0], *k[1:3]): k for k in reversed(left)}.values())
+        share = Counter(k[1:3] for k in heads)
+        dt = min([work[u] / rate for u in busy] + list(late.values()) + [left[k] * share[k[1:3]] for k in heads])
+        now += dt
+        eps = 1e-12 * max(1.0, now)
+        for u in busy:
+            work[u] -= dt * rate
+            if work[u] <= eps:
+                work[u] = None
+                pc[u] += 1
+        for u in list(late):
+            late[u] -= dt
+            if late[u] <= eps:
+                del late[u]
+        for k in heads:
+            left[k] -= dt / share[k[1:3]]
+            if left[k] <= eps:
+                del left[k]
+                done.add(k)
 
 
 def stage_program(s: int, pp: int, m: int) -> list:

@@ -329,3 +329,24 @@ def test_cli_flags(capsys):
     assert main(base + ["--num-virtual-stages-per-pipeline-rank", "2"]) == 0
     out = capsys.readouterr().out
     assert "interleaved (2 chunks per rank" in out and "pp send*" in out
+
+
+def test_independent_pipelines_in_a_stage_wait_together_in_step_and_hide_sends_out_of_step():
+    f, b, sends = 1.0, 2.0, [0.6]
+    one = one_f_one_b_shared(2, 8, f, b, sends, sends, 2, 2)
+    # two groups of one rank in step: their transfers share the link (each alone takes half), the same replay
+    assert one_f_one_b_shared(2, 8, f, b, sends, sends, 2, 2, groups=2) == pytest.approx(one, rel=1e-12)
+
+    def added(stagger: float) -> float:
+        return (one_f_one_b_shared(2, 8, f, b, sends, sends, 2, 2, groups=2, stagger=stagger)
+                - one_f_one_b_shared(2, 8, f, b, [0.0], [0.0], 2, 2, groups=2, stagger=stagger))
+
+    # two stages: in step every transfer stops both; out of step one group computes while the other waits
+    assert added(0.0) == pytest.approx(one - one_f_one_b_shared(2, 8, f, b, ranks_per_stage=2, cores=2))
+    assert 0 <= added(0.125) < 0.5 * added(0.0)
+    # larger sends: still only part hidden
+    big = [3.0]
+    assert one_f_one_b_shared(2, 8, f, b, big, big, 2, 2, groups=2, stagger=0.125) > one_f_one_b_shared(
+        2, 8, f, b, ranks_per_stage=2, cores=2, groups=2, stagger=0.125) + 8 * 3.0 / 2
+    with pytest.raises(ValueError, match="groups"):
+        one_f_one_b_shared(2, 1, f, b, ranks_per_stage=3, cores=2, groups=2)
