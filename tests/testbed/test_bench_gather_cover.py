@@ -2,11 +2,10 @@
 unshaped testbed (bench/predict.py GatherLead), not behind the cost model's T_pre, a few percent of it
 on CPU ranks."""
 
-import csv
-import shutil
 from pathlib import Path
 
 import pytest
+from testbed_helpers import reanalysed_row
 
 from megatron_hybridep.bench import predict as bp
 from megatron_hybridep.plan.phases import Phase
@@ -74,15 +73,7 @@ def test_a_longer_lead_hides_more_of_the_gathers():
 def test_the_recorded_four_dc_run_prices_hybridep_cs_gathers_from_their_lead(tmp_path):
     # HybridEP-c at 32 tokens on 4 DCs x 2 at 10 Mbit/s: +10.1% with the gathers behind T_pre (its
     # gather wait priced 317 ms against 172 measured); with the measured lead within 10%
-    from megatron_hybridep.bench.reanalyse import reanalyse
-
-    copy = tmp_path / "run"
-    shutil.copytree(RECORDED, copy)
-    with open(copy / "bench.csv", newline="") as f:
-        before = next(r for r in csv.DictReader(f) if r["system"] == "hybridep-compressed" and r["point"] == "0")
-    reanalyse(copy)
-    with open(copy / "bench.csv", newline="") as f:
-        after = next(r for r in csv.DictReader(f) if r["system"] == "hybridep-compressed" and r["point"] == "0")
+    before, after = reanalysed_row(RECORDED, tmp_path, "hybridep-compressed", 0)
     assert float(before["pred_error_pct"]) > 10
     assert abs(float(after["pred_error_pct"])) <= 10, after
 

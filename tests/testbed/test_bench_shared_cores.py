@@ -1,12 +1,11 @@
 """The bench prices pipeline sends on the testbed's shared cores (bench/predict.py): a stage that waits
 on a send frees its cores for the other stages, which a lockstep collective cannot do."""
 
-import csv
 import json
-import shutil
 from pathlib import Path
 
 import pytest
+from testbed_helpers import reanalysed_row
 
 from megatron_hybridep.bench import predict as bp
 from megatron_hybridep.plan.layout import layout_workload
@@ -47,20 +46,12 @@ def test_two_stages_wait_together_four_stages_hide_behind_each_other():
 def test_the_recorded_four_stage_run_is_predicted_within_ten_percent(tmp_path):
     # one stage per DC on 4 DCs x 2 at 1024 tokens: +11.5% priced as if the cores idled while a
     # stage waits (the run's own report), within 10% on shared cores
-    from megatron_hybridep.bench.reanalyse import reanalyse
-
-    copy = tmp_path / "run"
-    shutil.copytree(RECORDED, copy)
-    assert "cpu_cores" not in json.loads((copy / "summary.json").read_text())  # recorded before: 2 cores
-    with open(copy / "bench.csv", newline="") as f:
-        before = next(r for r in csv.DictReader(f) if r["system"] == "pp" and r["point"] == "1")
-    reanalyse(copy)
-    with open(copy / "bench.csv", newline="") as f:
-        after = next(r for r in csv.DictReader(f) if r["system"] == "pp" and r["point"] == "1")
+    assert "cpu_cores" not in json.loads((RECORDED / "summary.json").read_text())  # recorded before: 2 cores
+    before, after = reanalysed_row(RECORDED, tmp_path, "pp", 1)
     assert float(before["pred_error_pct"]) > 10
     assert abs(float(after["pred_error_pct"])) <= 10, after
     assert float(after["pred_pipeline_send_s"]) < float(before["pred_pipeline_send_s"])
-    assert json.loads((copy / "summary.json").read_text())["cpu_cores"] == 2
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["cpu_cores"] == 2
 
 
 def test_the_ranks_cpu_seconds_say_how_much_of_the_step_contended_for_the_cores():
@@ -85,19 +76,9 @@ def test_the_ranks_cpu_seconds_say_how_much_of_the_step_contended_for_the_cores(
 
 def test_a_recorded_ep1_stage_is_priced_as_two_pipelines_out_of_step(tmp_path):
     # auto-c's PP2 EP1 on 2 DCs x 2 at 50 Mbit/s, 192 tokens: its two data-parallel pipelines per stage
-    # hid the sends (measured +53 ms of WAN cost); replayed in step +15.8%, out of step within 10%
-    from megatron_hybridep.bench.reanalyse import reanalyse
-
-    copy = tmp_path / "run"
-    shutil.copytree(RECORDED.parent / "2dc_x_2_deep_50mbit_m8_w10g4b16_reno_rounds2_unshaped_probe", copy)
-
-    def row() -> dict:
-        with open(copy / "bench.csv", newline="") as f:
-            return next(r for r in csv.DictReader(f) if r["system"] == "auto-c" and r["point"] == "1")
-
-    before = row()
+    # hid most of the sends; replayed in step +15.8%, out of step within 10%
+    before, after = reanalysed_row(RECORDED.parent / "2dc_x_2_deep_50mbit_m8_w10g4b16_reno_rounds2_unshaped_probe",
+                                   tmp_path, "auto-c", 1)
     assert before["plan"] == "PP2 EP1" and float(before["pred_error_pct"]) > 10
-    reanalyse(copy)
-    after = row()
     assert abs(float(after["pred_error_pct"])) <= 10, after
     assert float(after["pred_pipeline_send_s"]) < float(before["pred_pipeline_send_s"]) / 2

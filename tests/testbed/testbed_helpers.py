@@ -93,3 +93,22 @@ def run_to_end(args: list[str], limit_s: float, what: str) -> tuple[subprocess.P
         stdout, _ = proc.communicate(timeout=30)
         pytest.fail(f"{what} took more than {limit_s} s:\n{stdout[-4000:]}")
     return proc, stdout
+
+
+def reanalysed_row(run: Path, tmp: Path, system: str, point: int) -> tuple[dict[str, str], dict[str, str]]:
+    """A recorded bench run's bench.csv row for ``system`` at ``point``, as recorded and as `bench
+    --reanalyse` writes it with today's model (on a copy of the run in ``tmp``)."""
+    import csv
+
+    from megatron_hybridep.bench.reanalyse import reanalyse
+
+    copy = tmp / "run"
+    shutil.copytree(run, copy)
+
+    def row() -> dict[str, str]:
+        with open(copy / "bench.csv", newline="") as f:
+            return next(r for r in csv.DictReader(f) if r["system"] == system and r["point"] == str(point))
+
+    before = row()
+    reanalyse(copy)
+    return before, row()
