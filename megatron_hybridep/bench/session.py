@@ -315,7 +315,7 @@ class Session:
                    unshaped_ranks: dict[str, float] | None = None) -> bp.Prediction:
         """A system's predicted step at ``point`` from its unshaped one (bench/predict.py); ``layout``:
         pp's and auto's (one stage's plan in the layout's workload); ``unshaped_ranks``: that run's
-        per-rank figures (its expert gathers' cover)."""
+        per-rank figures (its expert gathers' lead, its ranks' CPU seconds)."""
         work = self.workload(self.cfg.points[point], self.events, system)
         if layout is not None:
             work = layout_workload(work, layout.tp, layout.pp)

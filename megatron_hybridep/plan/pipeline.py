@@ -24,7 +24,9 @@ Stages are priced alike: f and b are the busiest stage's (plan/cost.py prices th
 :func:`one_f_one_b_shared` replays 1F1B on ranks that share a few cores (the CPU testbed: eight
 ranks on two cores). Computing ranks split the cores evenly; a stage blocked on a send or receive
 uses none, so the others run faster. That hides part of a stage's wait, which a collective that
-blocks every rank at once cannot (bench/predict.py prices the testbed with it).
+blocks every rank at once cannot (bench/predict.py prices the testbed with it). It is a fluid replay:
+a stage's ranks may form several independent pipelines (EP 1: data-parallel replicas) whose transfers
+share each boundary's link, started out of step.
 """
 
 from __future__ import annotations
