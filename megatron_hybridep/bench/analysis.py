@@ -146,13 +146,21 @@ def format_finalists(cfg: BenchConfig, finals: dict[str, dict[str, Any]]) -> lis
     for key, rec in sorted(finals.items(), key=lambda kv: (int(kv[0].split()[0]), kv[0])):
         point, system = int(key.split()[0]), key.split()[1]
         cands = ", ".join(f"{f['name']} {f['planner_s'] * 1e3:,.0f} / {f['predicted_s'] * 1e3:,.0f} ms"
-                          f" ({'= ' + f['same_as'] if f['same_as'] else 'trial'})" for f in rec.get("finalists", []))
+                          f" ({_source(f)})" for f in rec.get("finalists", []))
         dropped = f"; not tried: {', '.join(rec['dropped'])}" if rec.get("dropped") else ""
         out.append(f"  {cfg.points[point]['tokens']} {system}: {cands} -> {rec.get('chosen')}{dropped}")
     if not out:
         return []
-    return ["auto's finalists (planner / predicted from the measured unshaped step; = the measured system that "
-            "stands for it, or an unshaped trial; bench/finalists.py):", *out]
+    return ["auto's finalists (planner / predicted from the measured unshaped step: a trial, run back to back "
+            "with the others; = the measured system whose row stands for it, and whose calibration it used where "
+            "not trialled (runs before 2026-12-02); bench/finalists.py):", *out]
+
+
+def _source(f: dict[str, Any]) -> str:
+    """Where a finalist's unshaped step came from, as format_finalists prints it."""
+    if not f["same_as"]:
+        return "trial"
+    return f"trial, = {f['same_as']}" if f.get("trialled") else f"= {f['same_as']}"
 
 
 def machine() -> str:

@@ -4,10 +4,13 @@ The cost model prices compute from T_pre and the expert speed as if every rank h
 own. On the testbed eight ranks share two cores and gloo's collectives cost CPU: a layout's unshaped
 step is 3-10x the model's, and that gap differs between layouts by more than the network time the
 planner weighs at small token counts (docs/results.md, "auto's finalists"). So the bench's auto takes
-every layout the planner prices within FINALIST_WITHIN of its best, gets each one's unshaped step (a
-system already measured at the point gives its own; any other runs a short unshaped trial, at most
-``max_trials`` of them, the planner's fastest first), predicts each as every bench row is predicted
-(unshaped step + the shaped-minus-unshaped network), and runs the fastest. A tie goes to the
+every layout the planner prices within FINALIST_WITHIN of its best (of those no system measured at the
+point stands for, at most ``max_trials``, the planner's fastest first), runs a short unshaped trial of
+each back to back, predicts each as every bench row is predicted (unshaped step + the shaped-minus-
+unshaped network), and runs the fastest. Back to back, not a measured twin's calibration: the ranks'
+unshaped step drifts over a point (a system's second-round calibration reads 1.10-1.39x its first:
+the per-run medians of the recorded 4 DC x 2 runs), by more than the finalists differ. A lone
+finalist with a twin takes the twin's calibration: there is nothing to compare. A tie goes to the
 layout without hybridep as the planner's own choice does (within PREFER_MEGATRON_WITHIN of an exact
 plan; a compressed one keeps the choice when predicted faster).
 `pretrain_moe.py --hybridep-layout auto` on GPUs takes the planner's choice as it is. Pure logic."""
@@ -38,6 +41,7 @@ class Finalist:
     predicted_s: float | None = None  # unshaped_s + the network the cost model adds when the WAN is shaped
     unshaped_ranks: dict[str, float] | None = None  # that run's per-rank figures (bench/worker.py)
     compressed: bool = False  # the plan runs the codec (the planner's candidate)
+    trialled: bool = False  # unshaped_s is its own trial's (else its twin system's calibration)
 
     @property
     def name(self) -> str:
@@ -45,7 +49,7 @@ class Finalist:
 
     def to_dict(self) -> dict[str, object]:
         return {"name": self.name, "planner_s": self.planner_s, "same_as": self.same_as,
-                "unshaped_s": self.unshaped_s, "predicted_s": self.predicted_s}
+                "unshaped_s": self.unshaped_s, "predicted_s": self.predicted_s, "trialled": self.trialled}
 
 
 def finalists(results: list[LayoutResult], within: float = FINALIST_WITHIN) -> list[Finalist]:

@@ -203,17 +203,20 @@ class Session:
             self.info.setdefault("finalists", {})[f"{point} {system}"] = {"dropped": [f.name for f in dropped]}
         for f in self.finals[key]:
             if f.unshaped_s is None and (e := self._unshaped(point, system, f)) is not None:
-                f.unshaped_s, f.unshaped_ranks = float(e["median_s"]), e.get("ranks")
+                f.unshaped_s, f.unshaped_ranks, f.trialled = float(e["median_s"]), e.get("ranks"), e["phase"] == "trial"
             if f.unshaped_s is None:
                 self.say(f"point {point}: {system}: unshaped trial of {f.name} (planner: {f.planner_s * 1e3:,.0f} ms)")
                 return self._compressed(system, {**self._layout_order(f.layout, f.plan), "trial": True})
         return None
 
     def _unshaped(self, point: int, system: str, f: bf.Finalist) -> dict[str, Any] | None:
-        """A finalist's unshaped run: its twin system's calibration at ``point``, or its own trial."""
+        """A finalist's unshaped run at ``point``: its own trial, run back to back with the other finalists'
+        (a twin system's calibration ran minutes earlier, and the ranks' step drifts over a point by more
+        than the finalists differ: bench/finalists.py); a lone finalist's twin calibration."""
+        alone = len(self.finals[(point, system)]) == 1
         for e in reversed(self.events):
             if e["event"] == "point" and e["point"] == point and (
-                    (e["phase"] == "calibrate" and e["system"] == f.same_as)
+                    (alone and e["phase"] == "calibrate" and e["system"] == f.same_as)
                     or (e["phase"] == "trial" and e["system"] == system and e["plan"] == f.name)):
                 return e
         return None

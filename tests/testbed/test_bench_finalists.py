@@ -130,19 +130,56 @@ def test_session_trials_the_unmeasured_finalists_then_runs_the_fastest_predictio
     assert rec["chosen"] == chosen.name and len(rec["finalists"]) == len(finals)
 
 
-def test_a_measured_system_stands_for_its_finalist_without_a_trial():
-    cfg = _cfg(auto_trials=0)
+def _drive(s, system, unshaped):
+    """The control loop over ``system``'s trials at point 0, each trial's unshaped step ``unshaped(name)``
+    arriving with the next request: (the trial orders, the order that followed them)."""
+    orders = []
+    while True:
+        s.launch_point = None
+        order = s.handle({"op": "next", "events": []})
+        if order.get("done") or not order.get("trial"):
+            return orders, order
+        orders.append(order)
+        name = order["layout"]["name"]
+        s.events.append({"event": "point", "phase": "trial", "system": system, "plan": name, "point": 0,
+                         "median_s": unshaped(name)})
+
+
+def _with_pp(cfg, calibrated_s):
     s = _session(cfg)
     pp = bp.pp_layout(cfg.dcs, cfg.ranks_per_dc, cfg.micro_batches)
     s.layouts[(0, "pp")] = pp
     s.chosen[(0, "pp")] = bp.stage_plan(s.topology(shaped=True), pp.pp, pp.ep, cfg.model.num_experts)
     s.events.append({"event": "point", "phase": "calibrate", "system": "pp", "plan": "PP4 EP2", "point": 0,
-                     "median_s": 1.5})
+                     "median_s": calibrated_s})
     s.queue = [(0, "auto")]
-    order = s.handle({"op": "next", "events": []})
+    return s
+
+
+def test_measured_finalists_are_trialled_back_to_back_and_their_row_stands_for_auto():
+    """A finalist a measured system stands for runs its own unshaped trial next to the others': pp's
+    calibration (minutes earlier, 9 s) is not what decides."""
+    cfg = _cfg(auto_trials=2)
+    s = _with_pp(cfg, calibrated_s=9.0)
+    orders, order = _drive(s, "auto", lambda name: 1.5 if name == "PP4 EP2" else 4.0)
     finals = s.finals[(0, "auto")]
-    assert all(f.same_as is not None for f in finals)  # --auto-trials 0: only measured systems compete
-    assert {f.same_as for f in finals} >= {"pp"}
+    assert len(finals) >= 2 and "pp" in {f.same_as for f in finals}
+    assert [o["layout"]["name"] for o in orders] == [f.name for f in finals]  # each trialled, planner's order
+    assert all(f.trialled for f in finals)
+    rec = s.info["finalists"]["0 auto"]
+    assert rec["chosen"] == "PP4 EP2" and all(f["trialled"] for f in rec["finalists"])
     assert order.get("done")  # auto chose a measured system's layout: its row stands for auto's
-    assert s.info["same_as"]["0 auto"] == next(f.same_as for f in finals if f.name == s.info["finalists"]["0 auto"]
-                                               ["chosen"])
+    assert s.info["same_as"]["0 auto"] == "pp"
+    # the same calibrations with pp's trial slow: the trial decides, not the 9 s calibration or the old 1.5 s
+    s = _with_pp(cfg, calibrated_s=1.5)
+    _drive(s, "auto", lambda name: 9.0 if name == "PP4 EP2" else 4.0)
+    assert s.info["finalists"]["0 auto"]["chosen"] != "PP4 EP2"
+
+
+def test_a_lone_measured_finalist_takes_its_twins_calibration_without_a_trial():
+    """--auto-trials 0 here leaves pp's layout alone: nothing to compare, so no trial."""
+    s = _with_pp(_cfg(auto_trials=0), calibrated_s=1.5)
+    orders, order = _drive(s, "auto", lambda name: pytest.fail("no trial expected"))
+    assert orders == [] and order.get("done") and s.info["same_as"]["0 auto"] == "pp"
+    (f,) = s.finals[(0, "auto")]
+    assert f.same_as == "pp" and f.unshaped_s == 1.5 and not f.trialled
