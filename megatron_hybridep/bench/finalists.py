@@ -23,7 +23,9 @@ from megatron_hybridep.plan.layout import PREFER_MEGATRON_WITHIN, Layout, Layout
 from megatron_hybridep.plan.plan import Plan
 
 FINALIST_WITHIN = 1.0  # layouts the planner prices at most 2x its best: the testbed's CPU costs move that much
-MAX_TRIALS = 2  # unshaped trials per auto system and point (a measured system's unshaped step is free)
+MAX_TRIALS = 2  # finalists per auto system and point that no measured system stands for
+TRIAL_ITERS = 3  # timed iterations of a trial at least: a median of 2 is their mean, and one slow step moved
+#   HybridEP-c's trial 9% (4 DCs x 2, 50 Mbit/s, 1024 tokens: 3.98 and 4.69 s) and auto-c off the fastest
 
 
 def layout_name(layout: Layout, plan: Plan) -> str:

@@ -206,7 +206,8 @@ class Session:
                 f.unshaped_s, f.unshaped_ranks, f.trialled = float(e["median_s"]), e.get("ranks"), e["phase"] == "trial"
             if f.unshaped_s is None:
                 self.say(f"point {point}: {system}: unshaped trial of {f.name} (planner: {f.planner_s * 1e3:,.0f} ms)")
-                return self._compressed(system, {**self._layout_order(f.layout, f.plan), "trial": True})
+                return self._compressed(system, {**self._layout_order(f.layout, f.plan), "trial": True,
+                                                 "iters": max(self.cfg.iters, bf.TRIAL_ITERS)})
         return None
 
     def _unshaped(self, point: int, system: str, f: bf.Finalist) -> dict[str, Any] | None:

@@ -159,11 +159,12 @@ def _with_pp(cfg, calibrated_s):
 def test_measured_finalists_are_trialled_back_to_back_and_their_row_stands_for_auto():
     """A finalist a measured system stands for runs its own unshaped trial next to the others': pp's
     calibration (minutes earlier, 9 s) is not what decides."""
-    cfg = _cfg(auto_trials=2)
+    cfg = _cfg(auto_trials=2, iters=2)
     s = _with_pp(cfg, calibrated_s=9.0)
     orders, order = _drive(s, "auto", lambda name: 1.5 if name == "PP4 EP2" else 4.0)
     finals = s.finals[(0, "auto")]
     assert len(finals) >= 2 and "pp" in {f.same_as for f in finals}
+    assert all(o["iters"] == bf.TRIAL_ITERS == 3 for o in orders)  # a median that drops one slow step
     assert [o["layout"]["name"] for o in orders] == [f.name for f in finals]  # each trialled, planner's order
     assert all(f.trialled for f in finals)
     rec = s.info["finalists"]["0 auto"]
