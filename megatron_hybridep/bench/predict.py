@@ -29,7 +29,8 @@ How a prediction is made (per system, plan and point):
   unshaped step (all of it counted as stage compute). The cost model's own stage compute (T_pre and
   the expert speed) is several times short of a CPU rank's step, and a wait only hides behind
   compute there is; and only where the ranks kept the cores busy: the unshaped step's CPU seconds per
-  rank (``rank_cpu_s``) give the share of its compute a rank uses a core (:func:`pipeline_duty`). A
+  rank (``rank_cpu_s``; the bench scales them so that what its unpipelined systems' ranks got reads as
+  saturated, Session.cpu_share) give the share of its compute a rank uses a core (:func:`pipeline_duty`). A
   stage of several EP groups (EP 1: data-parallel replicas, nothing couples them until the gradient
   reduction) is replayed as that many pipelines sharing the cores and the boundary links, started
   GROUP_PHASE / k of a micro-batch apart: in step they would wait together, measured they hide small
