@@ -151,16 +151,19 @@ def format_finalists(cfg: BenchConfig, finals: dict[str, dict[str, Any]]) -> lis
         out.append(f"  {cfg.points[point]['tokens']} {system}: {cands} -> {rec.get('chosen')}{dropped}")
     if not out:
         return []
-    return ["auto's finalists (planner / predicted from the measured unshaped step: a trial, run back to back "
-            "with the others; = the measured system whose row stands for it, and whose calibration it used where "
-            "not trialled (runs before 2026-12-02); bench/finalists.py):", *out]
+    return ["auto's finalists (planner / predicted from the measured unshaped step: its trials' mean, run back to "
+            "back with the others' in the order A B .. B A (\"trial\": one, runs before 2026-12-02 07:45); = the "
+            "measured system whose row stands for it, and whose calibration it used where not trialled (runs before "
+            "2026-12-02); a tie within 3% on the trials goes to the planner's clearly faster; bench/finalists.py):",
+            *out]
 
 
 def _source(f: dict[str, Any]) -> str:
     """Where a finalist's unshaped step came from, as format_finalists prints it."""
+    trial = f"{f['trials']} trials" if f.get("trials", 1) > 1 else "trial"
     if not f["same_as"]:
-        return "trial"
-    return f"trial, = {f['same_as']}" if f.get("trialled") else f"= {f['same_as']}"
+        return trial
+    return f"{trial}, = {f['same_as']}" if f.get("trialled") else f"= {f['same_as']}"
 
 
 def machine() -> str:

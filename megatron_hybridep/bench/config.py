@@ -114,8 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auto-trials", type=int, default=None,
                         help="auto and auto-c: of the planner's finalists that no measured system stands for, how "
                              "many compete per point (the planner's fastest; default "
-                             f"{d['auto_trials']}; 0: only the measured ones); every finalist runs an unshaped trial, "
-                             "back to back (bench/finalists.py)")
+                             f"{d['auto_trials']}; 0: only the measured ones); every finalist runs two unshaped "
+                             "trials, back to back with the others' (A B .. B A; bench/finalists.py)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="measure every system this many times per point, the systems interleaved (later rounds "
                              "in reversed, then the first order; auto keeps its first round's layout): rows pool "

@@ -9,10 +9,14 @@ point stands for, at most ``max_trials``, the planner's fastest first), runs a s
 each back to back, predicts each as every bench row is predicted (unshaped step + the shaped-minus-
 unshaped network), and runs the fastest. Back to back, not a measured twin's calibration: the ranks'
 unshaped step drifts over a point (a system's second-round calibration reads 1.10-1.39x its first:
-the per-run medians of the recorded 4 DC x 2 runs), by more than the finalists differ. A lone
-finalist with a twin takes the twin's calibration: there is nothing to compare. A tie goes to the
-layout without hybridep as the planner's own choice does (within PREFER_MEGATRON_WITHIN of an exact
-plan; a compressed one keeps the choice when predicted faster).
+the per-run medians of the recorded 4 DC x 2 runs), by more than the finalists differ. Twice, in
+the order A B .. B A (trial_order): a drift linear over the trials cancels in each finalist's mean,
+and one noisy trial (the first after a shaped run read 12% high) counts half. A lone finalist with
+a twin takes the twin's calibration: there is nothing to compare. Finalists predicted within
+TRIAL_TIE of the fastest are a tie the trials cannot break, and the planner's ranking breaks it
+where it prices one clearly faster. A tie goes to the layout without hybridep as the planner's own
+choice does (within PREFER_MEGATRON_WITHIN of an exact plan; a compressed one keeps the choice when
+predicted faster).
 `pretrain_moe.py --hybridep-layout auto` on GPUs takes the planner's choice as it is. Pure logic."""
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ FINALIST_WITHIN = 1.0  # layouts the planner prices at most 2x its best: the tes
 MAX_TRIALS = 2  # finalists per auto system and point that no measured system stands for
 TRIAL_ITERS = 3  # timed iterations of a trial at least: a median of 2 is their mean, and one slow step moved
 #   HybridEP-c's trial 9% (4 DCs x 2, 50 Mbit/s, 1024 tokens: 3.98 and 4.69 s) and auto-c off the fastest
+TRIAL_TIE = 0.03  # a measured trial's noise: the same configuration's trials and calibrations at a point read
+#   3-12% apart (4 DCs x 2, 50 Mbit/s, 1024 tokens: HybridEP-c's trial 5.60 s, its calibrations 5.04 and 4.85)
 
 
 def layout_name(layout: Layout, plan: Plan) -> str:
@@ -41,9 +47,10 @@ class Finalist:
     same_as: str | None = None  # the system measured at the point with this configuration
     unshaped_s: float | None = None  # its measured unshaped step (the system's calibration, or a trial)
     predicted_s: float | None = None  # unshaped_s + the network the cost model adds when the WAN is shaped
-    unshaped_ranks: dict[str, float] | None = None  # that run's per-rank figures (bench/worker.py)
+    unshaped_ranks: dict[str, float] | None = None  # that run's per-rank figures (bench/worker.py; trials: their mean)
     compressed: bool = False  # the plan runs the codec (the planner's candidate)
-    trialled: bool = False  # unshaped_s is its own trial's (else its twin system's calibration)
+    trialled: bool = False  # unshaped_s is its own trials' (else its twin system's calibration)
+    trials: int = 0  # how many (trial_order)
 
     @property
     def name(self) -> str:
@@ -51,7 +58,8 @@ class Finalist:
 
     def to_dict(self) -> dict[str, object]:
         return {"name": self.name, "planner_s": self.planner_s, "same_as": self.same_as,
-                "unshaped_s": self.unshaped_s, "predicted_s": self.predicted_s, "trialled": self.trialled}
+                "unshaped_s": self.unshaped_s, "predicted_s": self.predicted_s, "trialled": self.trialled,
+                "trials": self.trials}
 
 
 def finalists(results: list[LayoutResult], within: float = FINALIST_WITHIN) -> list[Finalist]:
@@ -84,13 +92,32 @@ def trim(cands: list[Finalist], max_trials: int = MAX_TRIALS) -> tuple[list[Fina
     return kept, dropped
 
 
-def choose(cands: list[Finalist], margin: float = PREFER_MEGATRON_WITHIN) -> Finalist:
-    """The finalist predicted fastest; the fastest without hybridep instead when it is within ``margin``
-    of an exact one (layout.within_margin)."""
+def trial_order(n: int) -> list[int]:
+    """The finalists' trials by index: 0 1 .. n-1 n-1 .. 1 0 (each twice, the second round reversed);
+    a lone finalist once."""
+    return list(range(n)) + list(reversed(range(n))) if n > 1 else list(range(n))
+
+
+def mean_trial(trials: list[dict]) -> tuple[float, dict[str, float] | None]:
+    """(unshaped step, per-rank figures) of a finalist's trials (bench/worker.py "point" events): the mean
+    of their medians, and of each per-rank figure every trial has."""
+    step = sum(float(e["median_s"]) for e in trials) / len(trials)
+    ranks = [e.get("ranks") or {} for e in trials]
+    keys = set.intersection(*(set(r) for r in ranks))
+    return step, ({k: sum(r[k] for r in ranks) / len(ranks) for k in sorted(keys)} if keys else None)
+
+
+def choose(cands: list[Finalist], margin: float = PREFER_MEGATRON_WITHIN, tie: float = TRIAL_TIE) -> Finalist:
+    """The finalist predicted fastest, unless another predicted within ``tie`` of it is priced by the
+    planner more than ``tie`` faster (the trials cannot tell them apart: the planner's ranking does); the
+    fastest without hybridep instead when it is within ``margin`` of an exact one (layout.within_margin)."""
     if not cands or any(f.predicted_s is None for f in cands):
         raise ValueError("choose: every finalist needs its predicted step")
     ranked = sorted(cands, key=lambda f: (f.predicted_s, f.planner_s))
     best = ranked[0]
+    priced = min((f for f in ranked if f.predicted_s <= best.predicted_s * (1 + tie)), key=lambda f: f.planner_s)
+    if priced.planner_s < best.planner_s * (1 - tie):
+        best = priced
     plain = next((f for f in ranked if not is_hybridep(f.plan)), None)
     if is_hybridep(best.plan) and plain is not None \
             and within_margin(best.predicted_s, plain.predicted_s, best.compressed, margin):

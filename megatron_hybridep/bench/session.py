@@ -202,26 +202,34 @@ class Session:
             kept, dropped = bf.trim(cands, self.cfg.auto_trials)
             self.finals[key] = kept
             self.info.setdefault("finalists", {})[f"{point} {system}"] = {"dropped": [f.name for f in dropped]}
-        for f in self.finals[key]:
-            if f.unshaped_s is None and (e := self._unshaped(point, system, f)) is not None:
-                f.unshaped_s, f.unshaped_ranks, f.trialled = float(e["median_s"]), e.get("ranks"), e["phase"] == "trial"
-            if f.unshaped_s is None:
+        finals = self.finals[key]
+        order = bf.trial_order(0 if len(finals) == 1 and finals[0].same_as else len(finals))
+        for i, j in enumerate(order):  # the next trial due: its finalist's count so far in the order
+            f = finals[j]
+            if len(self._trials(point, system, f)) < order[:i + 1].count(j):
                 self.say(f"point {point}: {system}: unshaped trial of {f.name} (planner: {f.planner_s * 1e3:,.0f} ms)")
                 return self._compressed(system, {**self._layout_order(f.layout, f.plan), "trial": True,
                                                  "iters": max(self.cfg.iters, bf.TRIAL_ITERS)})
+        for f in finals:
+            if f.unshaped_s is None:
+                if trials := self._trials(point, system, f):
+                    f.unshaped_s, f.unshaped_ranks = bf.mean_trial(trials)
+                    f.trialled, f.trials = True, len(trials)
+                else:  # a lone finalist: its twin's calibration (nothing to compare it with)
+                    e = self._calibration(point, f.same_as)
+                    f.unshaped_s, f.unshaped_ranks = float(e["median_s"]), e.get("ranks")
         return None
 
-    def _unshaped(self, point: int, system: str, f: bf.Finalist) -> dict[str, Any] | None:
-        """A finalist's unshaped run at ``point``: its own trial, run back to back with the other finalists'
-        (a twin system's calibration ran minutes earlier, and the ranks' step drifts over a point by more
-        than the finalists differ: bench/finalists.py); a lone finalist's twin calibration."""
-        alone = len(self.finals[(point, system)]) == 1
-        for e in reversed(self.events):
-            if e["event"] == "point" and e["point"] == point and (
-                    (alone and e["phase"] == "calibrate" and e["system"] == f.same_as)
-                    or (e["phase"] == "trial" and e["system"] == system and e["plan"] == f.name)):
-                return e
-        return None
+    def _trials(self, point: int, system: str, f: bf.Finalist) -> list[dict[str, Any]]:
+        """A finalist's unshaped trials at ``point``, in the order they ran (bench/finalists.trial_order: each
+        twice, back to back with the other finalists': a twin system's calibration ran minutes earlier, and
+        the ranks' step drifts over a point by more than the finalists differ)."""
+        return [e for e in self.events if e["event"] == "point" and e["point"] == point and e["phase"] == "trial"
+                and e["system"] == system and e["plan"] == f.name]
+
+    def _calibration(self, point: int, system: str | None) -> dict[str, Any]:
+        return next(e for e in reversed(self.events) if e["event"] == "point" and e["point"] == point
+                    and e["phase"] == "calibrate" and e["system"] == system)
 
     def same_system(self, point: int, system: str = "auto") -> str | None:
         """The system run earlier at ``point`` (in this run's queue order) whose configuration is the

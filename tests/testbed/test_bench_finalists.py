@@ -106,28 +106,67 @@ def test_session_trials_the_unmeasured_finalists_then_runs_the_fastest_predictio
     cfg = _cfg(auto_trials=2, systems="ep,replicated,auto-c")
     s = _session(cfg)
     s.queue = [(0, "auto-c")]
-    orders, unshaped = [], {}
-    while True:  # the control loop: each trial's unshaped step arrives with the next request
-        s.launch_point = None
-        order = s.handle({"op": "next", "events": []})
-        if order.get("done") or not order.get("trial"):
-            break
-        orders.append(order)
-        name = order["layout"]["name"]
-        unshaped[name] = 2.0 if len(orders) == 2 else 5.0  # the second trial is the fast one
-        s.events.append({"event": "point", "phase": "trial", "system": "auto-c", "plan": name, "point": 0,
-                         "median_s": unshaped[name]})
+    seen: list[str] = []
+
+    def unshaped(name):  # the second finalist trialled is the fast one
+        seen.append(name) if name not in seen else None
+        return 2.0 if seen.index(name) == 1 else 5.0
+
+    orders, order = _drive(s, "auto-c", unshaped)
     finals = s.finals[(0, "auto-c")]
-    assert len(orders) == 2 == sum(f.same_as is None for f in finals)  # --auto-trials 2, nothing measured ran
+    assert 2 == sum(f.same_as is None for f in finals)  # --auto-trials 2, nothing measured ran
+    assert len(orders) == 4 and [o["layout"]["name"] for o in orders] == seen + seen[::-1]  # A B B A
     assert all(o["system"] == "auto-c" and "dispatcher" in o for o in orders)
     for o in orders:  # auto-c's trials of a hybridep plan run compressed, as its final run would
         assert ("compression_ratio" in o) == (o["dispatcher"] == "hybridep")
-    chosen = next(f for f in finals if f.name == orders[1]["layout"]["name"])
+    chosen = next(f for f in finals if f.name == seen[1])
     assert order["layout"]["name"] == chosen.name and not order.get("trial")  # the final run: shaped after
     assert all(f.predicted_s > f.unshaped_s for f in finals)  # the shaped WAN adds network time
     assert chosen.predicted_s == min(f.predicted_s for f in finals)
     rec = s.info["finalists"]["0 auto-c"]
     assert rec["chosen"] == chosen.name and len(rec["finalists"]) == len(finals)
+
+
+def test_trials_run_twice_in_mirrored_order_so_a_drift_cancels():
+    """The ranks' unshaped step drifts over a point: here +10% per trial. B is 5% faster than A; trialled
+    A then B once, the drift makes A look faster (4.0 against 4.18); A B B A reads A 4.6, B 4.37."""
+    assert bf.trial_order(3) == [0, 1, 2, 2, 1, 0] and bf.trial_order(1) == [0] and bf.trial_order(0) == []
+    cfg = _cfg(auto_trials=2, systems="ep,replicated,auto-c")
+    s = _session(cfg)
+    s.queue = [(0, "auto-c")]
+    first: list[str] = []
+
+    def drifting(name):
+        first.append(name) if name not in first else None
+        k = sum(e["phase"] == "trial" for e in s.events if e["event"] == "point")  # trials so far
+        return (4.0 if first.index(name) == 0 else 3.8) * (1 + 0.1 * k)
+
+    orders, _ = _drive(s, "auto-c", drifting)
+    a, b = (next(f for f in s.finals[(0, "auto-c")] if f.name == n) for n in first)
+    assert a.trialled and b.trialled
+    assert a.unshaped_s == pytest.approx((4.0 + 4.0 * 1.3) / 2) and b.unshaped_s == pytest.approx(3.8 * 1.15)
+    assert s.info["finalists"]["0 auto-c"]["chosen"] == b.name
+
+
+def test_mean_trial_averages_the_steps_and_the_figures_every_trial_has():
+    step, ranks = bf.mean_trial([{"median_s": 2.0, "ranks": {"cpu_s": 1.0, "t_pre": 0.2}},
+                                 {"median_s": 3.0, "ranks": {"cpu_s": 2.0}}])
+    assert step == 2.5 and ranks == {"cpu_s": 1.5}
+    assert bf.mean_trial([{"median_s": 2.0}]) == (2.0, None)
+
+
+def test_a_tie_the_trials_cannot_break_goes_to_the_layout_the_planner_prices_clearly_faster():
+    plain = Plan.grid((4, 2), (1, 1), 16, ("dc", "gpu"))
+    pp4, ep8 = Layout(1, 4, 2, 1, 32), Layout(1, 1, 8, 1, 8)
+
+    def pick(pred_pp, pred_ep, planner_pp, planner_ep):
+        return bf.choose([bf.Finalist(pp4, plain, planner_pp, predicted_s=pred_pp),
+                          bf.Finalist(ep8, plain, planner_ep, predicted_s=pred_ep)]).layout
+
+    assert pick(3.05, 3.0, 0.4, 0.8) == pp4  # 1.7% apart on the trials: the planner's 2x decides
+    assert pick(3.2, 3.0, 0.4, 0.8) == ep8  # 6.7% apart: the trials decide
+    assert pick(3.05, 3.0, 0.40, 0.41) == ep8  # the planner's 2.4% is no clearer: the trials' order stands
+    assert bf.TRIAL_TIE == 0.03
 
 
 def _drive(s, system, unshaped):
@@ -165,7 +204,8 @@ def test_measured_finalists_are_trialled_back_to_back_and_their_row_stands_for_a
     finals = s.finals[(0, "auto")]
     assert len(finals) >= 2 and "pp" in {f.same_as for f in finals}
     assert all(o["iters"] == bf.TRIAL_ITERS == 3 for o in orders)  # a median that drops one slow step
-    assert [o["layout"]["name"] for o in orders] == [f.name for f in finals]  # each trialled, planner's order
+    names = [f.name for f in finals]  # each trialled twice, the planner's order then back
+    assert [o["layout"]["name"] for o in orders] == names + names[::-1]
     assert all(f.trialled for f in finals)
     rec = s.info["finalists"]["0 auto"]
     assert rec["chosen"] == "PP4 EP2" and all(f["trialled"] for f in rec["finalists"])
