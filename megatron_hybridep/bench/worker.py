@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import sys
 import time
@@ -316,16 +317,18 @@ class Worker:
         counters0 = wan_counters() if self.local_rank == 0 else None
         rows = []
         dist.barrier()  # the window starts together; no barrier between steps (training has none)
-        last, cpu = time.perf_counter(), time.process_time()
+        last, cpu, use = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
         for micro in batches[warmup:]:
             stats.reset()
             timer.reset()
             out = train_step(state, micro)
-            now, cpu_now = time.perf_counter(), time.process_time()
-            # cpu_s: the rank's CPU seconds in the step (all its threads): how much of its wall time used a core
-            rows.append({"step_s": now - last, "cpu_s": cpu_now - cpu, "loss": out["loss"], **timer.t,
+            now, cpu_now, use_now = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
+            # cpu_s: the rank's CPU seconds in the step (all its threads): how much of its wall time used a core;
+            # sys_s and minflt: the kernel's part of it and the page faults (a point's unshaped step drifts)
+            rows.append({"step_s": now - last, "cpu_s": cpu_now - cpu, "sys_s": use_now.ru_stime - use.ru_stime,
+                         "minflt": float(use_now.ru_minflt - use.ru_minflt), "loss": out["loss"], **timer.t,
                          **_stats_row(stats)})
-            last, cpu = now, cpu_now
+            last, cpu, use = now, cpu_now, use_now
         dist.barrier()
         link = None
         if counters0 is not None:

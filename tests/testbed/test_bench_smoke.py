@@ -84,7 +84,7 @@ def test_bench_smoke_end_to_end(smoke_m1):
     from megatron_hybridep.bench.reanalyse import recorded_events
 
     points = [e["ranks"] for e in recorded_events(out) if e["event"] == "point"]
-    assert points and all(r["cpu_s"] > 0 for r in points)
+    assert points and all(r["cpu_s"] > 0 and 0 <= r["sys_s"] <= r["cpu_s"] + 0.01 and r["minflt"] >= 0 for r in points)
     gathered = [r for r in points if r["expert_allgather_wall_s"] > 0]
     assert gathered, "no system gathered experts"
     for r in gathered:
