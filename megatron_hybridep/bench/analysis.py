@@ -197,7 +197,7 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         "same_as": session.info.get("same_as", {}),  # "point system" -> the system whose layout auto(-c) chose
         "finalists": session.info.get("finalists", {}),  # "point system" -> auto's finalists (bench/finalists.py)
         "overlap_grad_reduce": cfg.overlap_grad_reduce,
-        "queue_ms": cfg.queue_ms, "congestion": cfg.congestion,
+        "queue_ms": cfg.queue_ms, "congestion": cfg.congestion, "rto_min_ms": cfg.rto_min_ms,
         "grad_compression_ratio": cfg.grad_compression_ratio,
         "grad_values": cfg.grad_values,
         "early_grad_return": cfg.early_grad_return,
@@ -211,7 +211,8 @@ def write_outputs(cfg: BenchConfig, rows: list[br.Row], checks: list[br.TargetCh
         f"machine: {summary['machine']}",
         f"testbed: {cfg.dcs} DCs x {cfg.ranks_per_dc} ranks, WAN {cfg.rate_text} per DC uplink "
         f"(TCP goodput {summary['goodput_mbit']:.1f} Mbit/s; queue "
-        f"{f'{cfg.queue_ms:g} ms' if cfg.queue_ms else '1000 packets'}; TCP {cfg.congestion}), "
+        f"{f'{cfg.queue_ms:g} ms' if cfg.queue_ms else '1000 packets'}; TCP {cfg.congestion}"
+        f"{f', minimum RTO {cfg.rto_min_ms:g} ms' if cfg.rto_min_ms else ''}), "
         f"model {cfg.model.name}, "
         f"{cfg.warmup} warm-up + {cfg.iters} timed iterations of {cfg.micro_batches} micro-batch(es) "
         + (f"in each of {cfg.rounds} rounds, the systems interleaved (rows pool the rounds) " if cfg.rounds > 1 else "")

@@ -89,6 +89,7 @@ def run_bench(cfg: BenchConfig, log: IO[str] = sys.stdout) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="hybridep-bench-") as tmp, \
             Testbed(TestbedConfig(dcs=cfg.dcs, ranks_per_dc=cfg.ranks_per_dc, rate_mbit=cfg.rate_mbit,
                                   burst_ms=cfg.burst_ms or None, queue_ms=cfg.queue_ms,
+                                  rto_min_ms=cfg.rto_min_ms or None,
                                   congestion=cfg.congestion)) as tb:
         session = Session(cfg, tb, log)
         session.say(f"{tb.describe()}; model {cfg.model.name}; points (tokens/rank) "

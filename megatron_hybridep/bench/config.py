@@ -38,7 +38,7 @@ PRICED_COMPRESSED = (COMPRESSED, "auto-c")  # systems planned and priced with th
 SPAN = 32  # token traffic range of the sweep (paper: 6..192 MB)
 DEFAULTS: dict[str, Any] = {"dcs": 2, "ranks_per_dc": 2, "rate": "50mbit", "points": 6, "min_tokens": 128,
                             "seq": 128, "warmup": 2, "iters": 7, "systems": ",".join(SYSTEMS), "timeout": 1800.0,
-                            "burst_ms": 1.0, "queue_ms": 0.0, "congestion": CONGESTION_DEFAULT,
+                            "burst_ms": 1.0, "queue_ms": 0.0, "rto_min_ms": 0.0, "congestion": CONGESTION_DEFAULT,
                             "compression_ratio": QUALITY_WEIGHT_RATIO,
                             "grad_compression_ratio": QUALITY_GRAD_RATIO, "grad_values": "bf16",
                             "early_grad_return": "auto", "micro_batches": 1,
@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue-ms", type=float, default=None,
                         help="queue before each uplink's rate limit as ms at the rate (TestbedConfig.queue_ms), e.g. "
                              "50: a shallow-buffer link; default 0: the kernel's 1000 packets")
+    parser.add_argument("--rto-min-ms", type=float, default=None,
+                        help="TCP's minimum retransmission timeout inside the DCs (TestbedConfig.rto_min_ms; needs "
+                             "Linux >= 6.11); default 0: the kernel's 200 ms (docs/testbed.md, \"Queue and TCP\")")
     parser.add_argument("--congestion", default=None,
                         help=f"TCP congestion control inside the DCs (TestbedConfig.congestion; default "
                              f"{d['congestion']}); host: the host's default, which the runs recorded before 2026-11-27 "
@@ -155,6 +158,7 @@ class BenchConfig:
     borrowed_copies: str = "auto"
     overlap_grad_reduce: bool = True
     queue_ms: float = DEFAULTS["queue_ms"]  # 0: the kernel's 1000-packet queue
+    rto_min_ms: float = DEFAULTS["rto_min_ms"]  # 0: the kernel's 200 ms
     congestion: str = DEFAULTS["congestion"]  # "host": the host's default (runs before 2026-11-27)
     grad_values: str = DEFAULTS["grad_values"]  # the returned gradients' kept values: bf16 or "same" (fp32 here)
     early_grad_return: float = DEFAULTS["early_grad_return"]  # --hybridep-early-grad-return's rest ratio (0: off)
@@ -185,6 +189,8 @@ class BenchConfig:
                  "--burst-ms", f"{self.burst_ms:g}", "--congestion", self.congestion]
         if self.queue_ms:
             argv += ["--queue-ms", f"{self.queue_ms:g}"]
+        if self.rto_min_ms:
+            argv += ["--rto-min-ms", f"{self.rto_min_ms:g}"]
         if any(s in self.systems for s in PRICED_COMPRESSED):
             argv += ["--compression-ratio", f"{self.compression_ratio:g}",
                      "--grad-compression-ratio", f"{self.grad_compression_ratio:g}",
@@ -265,6 +271,9 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     if burst_ms < 0:
         raise BenchError(f"--burst-ms: must be >= 0, got {burst_ms}; fix: 1 (a real link) or 0 (the testbed's)")
     queue_ms = float(get("queue_ms"))
+    rto_min_ms = float(get("rto_min_ms"))
+    if rto_min_ms < 0:
+        raise BenchError(f"--rto-min-ms: must be >= 0, got {rto_min_ms:g}; fix: e.g. 2000, or 0 (the kernel's 200 ms)")
     if queue_ms < 0:
         raise BenchError(f"--queue-ms: must be >= 0, got {queue_ms:g}; fix: e.g. 50, or 0 (the kernel's 1000 "
                          "packets)")
@@ -297,6 +306,6 @@ def resolve(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(model, model_path or "builtin", dcs, k, rate, rate_text, sweep(min_tokens, seq, points), seq,
                        min_tokens, warmup, iters, systems, out, float(get("timeout")), bool(args.smoke), burst_ms,
                        ratio, grad_ratio, bool(getattr(args, "quiet", False)), micro, str(get("borrowed_copies")),
-                       bool(get("overlap_grad_reduce")), queue_ms=queue_ms,
+                       bool(get("overlap_grad_reduce")), queue_ms=queue_ms, rto_min_ms=rto_min_ms,
                        congestion=str(get("congestion")), grad_values=str(get("grad_values")), auto_trials=trials,
                        rounds=rounds, early_grad_return=early)

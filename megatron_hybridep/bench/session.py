@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+import numpy as np
+
 from megatron_hybridep.bench import finalists as bf
 from megatron_hybridep.bench import predict as bp
 from megatron_hybridep.bench.config import (
@@ -332,6 +334,8 @@ class Session:
         work = self.workload(self.cfg.points[point], self.events, system)
         if layout is not None:
             work = layout_workload(work, layout.tp, layout.pp)
+        elif (routing := self.routing(point)) is not None and routing.shape[1] == plan.ep_size:
+            work = work.replace(routing_counts=routing)
         cpu = (unshaped_ranks or {}).get("cpu_s")
         share = self.cpu_share(point)
         if cpu is not None and share is not None:  # against what a rank gets here when nothing idles it
@@ -339,6 +343,17 @@ class Session:
         return bp.predict(self.topology(shaped=True), self.topology(shaped=False), work, plan, dense, unshaped_s, eff,
                           steady, shared_cores=self.cfg.cores, gather_lead=bp.GatherLead.from_ranks(unshaped_ranks),
                           rank_cpu_s=cpu)
+
+    def routing(self, point: int) -> np.ndarray | None:
+        """Tokens each rank routed to each expert per micro-batch in EP's unshaped run at ``point``,
+        (MoE layers, ranks, experts): the router's skew, which sets a token all-to-all's busiest link
+        (every system builds the same router); None for runs recorded before the worker kept it."""
+        e = next((e for e in self.events if e["event"] == "point" and e["phase"] == "calibrate"
+                  and e["system"] == "ep" and e["point"] == point and e.get("routing")), None)
+        if e is None:
+            return None
+        layers = sorted(e["routing"][0], key=int)
+        return np.array([[rank[k] for rank in e["routing"]] for k in layers], dtype=np.float64)
 
     def cpu_share(self, point: int) -> float | None:
         """A rank's CPU seconds per wall second in the unshaped runs at ``point`` of the systems without a

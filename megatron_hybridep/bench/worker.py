@@ -31,6 +31,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -315,13 +316,15 @@ class Worker:
         warmup_s = time.perf_counter() - t0
         load0 = os.getloadavg()[0]  # the machine is shared: say how busy it was
         counters0 = wan_counters() if self.local_rank == 0 else None
-        rows = []
+        rows, routing = [], {}
         dist.barrier()  # the window starts together; no barrier between steps (training has none)
         last, cpu, use = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
         for micro in batches[warmup:]:
             stats.reset()
             timer.reset()
             out = train_step(state, micro)
+            for layer, counts in stats.tokens_per_expert.items():  # tokens per expert, this rank, per MoE layer
+                routing[layer] = routing.get(layer, 0.0) + counts / (iters * m)
             now, cpu_now, use_now = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
             # cpu_s: the rank's CPU seconds in the step (all its threads): how much of its wall time used a core;
             # sys_s and minflt: the kernel's part of it and the page faults (a point's unshaped step drifts)
@@ -334,7 +337,8 @@ class Worker:
         if counters0 is not None:
             link = _link_delta(self.dc, counters0, wan_counters())
         everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, {"rank": self.rank, "rows": rows, "link": link})
+        dist.all_gather_object(everyone, {"rank": self.rank, "rows": rows, "link": link,
+                                          "routing": {str(k): np.asarray(v).tolist() for k, v in routing.items()}})
         if self.rank != 0:
             return
         links = sorted((e["link"] for e in everyone if e["link"] is not None), key=lambda c: c["dc"])
@@ -348,7 +352,8 @@ class Worker:
         self.emit("point", phase=phase, system=system, plan=label, plan_index=plan_index, point=point["index"],
              tokens=mbs * seq, micro_batch=mbs, micro_batches=m, seq=seq, iters=iters, step_s=steps,
              median_s=statistics.median(steps), warmup_s=warmup_s, loadavg=(load0, os.getloadavg()[0]), link=links,
-             ranks={k: _mean_over(per_rank, k) for k in per_rank[0][0] if k not in ("step_s", "loss")})
+             ranks={k: _mean_over(per_rank, k) for k in per_rank[0][0] if k not in ("step_s", "loss")},
+             routing=[e["routing"] for e in sorted(everyone, key=lambda e: e["rank"])])
 
 
 def _stats_row(stats: Any) -> dict[str, float]:

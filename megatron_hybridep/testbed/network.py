@@ -49,6 +49,7 @@ from megatron_hybridep.testbed.sh import TestbedError, preflight, sh
 CONGESTION_DEFAULT = "reno"
 CONGESTION_SYSCTL = Path("/proc/sys/net/ipv4/tcp_congestion_control")
 CONGESTION_ALLOWED = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+RTO_MIN_SYSCTL = Path("/proc/sys/net/ipv4/tcp_rto_min_us")  # per namespace, Linux >= 6.11
 DC_DEV = "wan0"  # the DC's uplink interface inside its namespace (GLOO_SOCKET_IFNAME)
 BRIDGE = "br0"
 MAX_DCS = 250
@@ -89,6 +90,9 @@ class TestbedConfig:
     queue_ms: float | str | None = None
     # TCP congestion control of the DC namespaces; None or "host": the host's default (this machine: BBR)
     congestion: str | None = CONGESTION_DEFAULT
+    # TCP's minimum retransmission timeout in the DC namespaces, ms; None: the kernel's 200 ms
+    # (docs/testbed.md "Queue and TCP": a queue of up to 1.2 s in time fires it spuriously)
+    rto_min_ms: float | None = None
     fabric_mbit: float | None = None  # each DC's internal fabric (lo, shared by its ranks); None = unshaped
     subnet: str = "10.77.0"  # a /24 that exists only inside our namespaces; DC i is .(i+1)
     prefix: str | None = None  # default "hep-<pid>"
@@ -124,6 +128,9 @@ class TestbedConfig:
         if self.congestion is not None and not re.fullmatch(r"[a-z0-9_]+", self.congestion):
             raise TestbedError(f"congestion (--congestion) must be a TCP congestion control name such as reno, or "
                                f"host for the host's default; got {self.congestion!r}")
+        if self.rto_min_ms is not None and not 1 <= self.rto_min_ms <= 120_000:
+            raise TestbedError(f"rto_min_ms (--rto-min-ms) must be 1..120000 ms, got {self.rto_min_ms:g}; fix: e.g. "
+                               "--rto-min-ms 2000, or leave it out for the kernel's 200 ms")
         try:
             shaping.parse_queue_ms(self.queue_ms)
         except TestbedError as exc:
@@ -229,6 +236,7 @@ class Testbed:
             sh(["ip", "-n", ns, "addr", "add", f"{self.address(dc)}/24", "dev", DC_DEV])
             sh(["ip", "-n", ns, "link", "set", DC_DEV, "up"])
             self._set_congestion(ns)
+            self._set_rto_min(ns)
             burst, queue = shaping.parse_burst_ms(self.config.burst_ms), shaping.parse_queue_ms(self.config.queue_ms)
             dc_shape = shaping.LinkShape(rates[dc], self.config.delay_ms, self.config.jitter_ms, burst, queue)
             if dc_shape.needs_netem and not netem_checked:
@@ -257,6 +265,15 @@ class Testbed:
                    f"a namespace may use only tcp_allowed_congestion_control's: {allowed}")
             raise TestbedError(f"congestion (--congestion): cannot run TCP {cc} in the DC namespaces: {why}. Fix: "
                                f"--congestion {CONGESTION_DEFAULT}, or --congestion host") from None
+
+    def _set_rto_min(self, ns: str) -> None:
+        if self.config.rto_min_ms is None:
+            return
+        try:
+            netns.in_netns(ns, lambda: RTO_MIN_SYSCTL.write_text(str(round(self.config.rto_min_ms * 1000))))
+        except OSError as exc:
+            raise TestbedError(f"rto_min_ms (--rto-min-ms): cannot set {RTO_MIN_SYSCTL} in the DC namespaces "
+                               f"({exc.strerror}; it needs Linux >= 6.11). Fix: leave --rto-min-ms out") from None
 
     def _apply(self, dc: int, ns: str, dev: str, shape: shaping.LinkShape) -> None:
         if shape.rate_mbit is not None or shape.needs_netem:
@@ -455,6 +472,8 @@ class Testbed:
         queue = shaping.parse_queue_ms(self.config.queue_ms)
         extra += ", queue: the kernel's 1000 packets" if queue is None else f", queue {queue:g} ms"
         extra += f", TCP {self.congestion() or 'of the host'}"
+        if self.config.rto_min_ms is not None:
+            extra += f" (minimum RTO {self.config.rto_min_ms:g} ms)"
         if self.config.delay_ms:
             extra += f", delay {self.config.delay_ms:g} ms"
             if self.config.jitter_ms:

@@ -23,3 +23,28 @@ def test_a_middle_pipeline_stage_is_the_busiest_uplink(tmp_path):
     # 4 stages, one per DC: the uplinks carry 1, 2, 2, 1 stage boundaries' bytes (mean 1.5, busiest 2)
     pp = next(r for r in rows if r["system"] == "pp" and r["point"] == "1")
     assert abs(float(pp["wan_busiest_mb"]) / float(pp["wan_tx_mb"]) - 4 / 3) < 0.1, pp
+
+
+def test_a_skewed_router_prices_eps_all_to_all_by_its_busiest_link():
+    """The ranks' routing (bench/worker.py records it; Session.routing feeds it to the prediction) puts
+    the token all-to-all on the busiest DC link: experts of DC 0 taking 1.5x their share make its
+    downlink (dispatch) and uplink (combine) carry 1.5x the balanced bytes, and the all-to-all 1.5x."""
+    import numpy as np
+
+    from megatron_hybridep.bench import predict as bp
+    from megatron_hybridep.plan.phases import Phase
+
+    model = bp.load_model(str(Path(__file__).resolve().parents[2] / "configs" / "models" / "bench-moe-deep.yaml"))
+    topo = bp.testbed_topology(4, 2, 9.6, 40_000)
+    work = bp.Calibration(0.1, 0.05, 2048).workload(model, 1024, 32, micro_batches=8, dense_params=35_000)
+    plan = bp.system_plan("ep", topo, model.num_experts)
+    rows = 1024 * model.top_k
+    hot = np.full(model.num_experts, (rows - 4 * 1.5 * rows / 16) / 12)
+    hot[:4] = 1.5 * rows / 16  # DC 0 holds experts 0-3 (2 per rank)
+    skewed = np.broadcast_to(hot, (model.num_moe_layers, 8, model.num_experts)).copy()
+    even = work.replace(routing_counts=np.full_like(skewed, rows / 16))
+    a2a = {name: bp.network_time(topo, w, plan, 35_000).seconds[Phase.TOKEN_A2A]
+           for name, w in (("balanced", work), ("recorded balanced", even),
+                           ("skewed", work.replace(routing_counts=skewed)))}
+    assert abs(a2a["recorded balanced"] / a2a["balanced"] - 1) < 0.02, a2a
+    assert abs(a2a["skewed"] / a2a["balanced"] - 1.5) < 0.05, a2a

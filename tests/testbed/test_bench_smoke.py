@@ -85,6 +85,11 @@ def test_bench_smoke_end_to_end(smoke_m1):
 
     points = [e["ranks"] for e in recorded_events(out) if e["event"] == "point"]
     assert points and all(r["cpu_s"] > 0 and 0 <= r["sys_s"] <= r["cpu_s"] + 0.01 and r["minflt"] >= 0 for r in points)
+    # ... and the tokens each rank routed to each expert per micro-batch and MoE layer (the router's skew)
+    for e in (e for e in recorded_events(out) if e["event"] == "point" and e["system"] == "ep"):
+        assert len(e["routing"]) == 4 and all(len(rank) == 2 for rank in e["routing"]), e["routing"]
+        rows_per_rank = [sum(counts) for rank in e["routing"] for counts in rank.values()]
+        assert all(abs(n - e["tokens"] * 2) < 1e-6 for n in rows_per_rank), rows_per_rank  # top-2
     gathered = [r for r in points if r["expert_allgather_wall_s"] > 0]
     assert gathered, "no system gathered experts"
     for r in gathered:
@@ -170,7 +175,7 @@ def test_default_sweep_spans_32x_as_micro_batch_times_seq():
     ({"systems": "ep,bogus"}, "--systems"), ({"systems": "hybridep"}, "--systems"), ({"dcs": 1}, "--dcs"),
     ({"min_tokens": 100, "seq": 64}, "--min-tokens"), ({"points": 1}, "--points"), ({"rate": "fast"}, "--rate"),
     ({"ranks_per_dc": 1}, "--systems replicated"), ({"dcs": 3}, "--model"), ({"burst_ms": -1}, "--burst-ms"),
-    ({"queue_ms": -5}, "--queue-ms"),
+    ({"queue_ms": -5}, "--queue-ms"), ({"rto_min_ms": -1}, "--rto-min-ms"),
     ({"compression_ratio": 1}, "--compression-ratio"), ({"micro_batches": 0}, "--micro-batches"),
     ({"grad_compression_ratio": 0.5}, "--grad-compression-ratio"), ({"auto_trials": -1}, "--auto-trials"),
     ({"dcs": 4, "systems": "ep,pp"}, "--systems pp"),  # 2 layers cannot make 4 stages

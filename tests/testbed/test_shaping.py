@@ -304,6 +304,23 @@ def test_queue_sizes_the_leaf_and_netem_limit(monkeypatch):
     assert " ".join(calls[-2][3:]) == "qdisc add dev wan0 parent 1:1 handle 10: netem delay 20ms limit 58"
 
 
+def test_minimum_rto_is_set_in_the_dc_namespaces_and_bad_values_refused(prefix):
+    from pathlib import Path
+
+    from megatron_hybridep.testbed import netns
+
+    sysctl = Path("/proc/sys/net/ipv4/tcp_rto_min_us")
+    if not sysctl.exists():
+        pytest.skip("this kernel has no per-namespace tcp_rto_min_us (Linux < 6.11)")
+    with Testbed(dcs=2, rate_mbit=100, rto_min_ms=2000, prefix=prefix) as tb:
+        assert [netns.in_netns(tb.netns(dc), sysctl.read_text).strip() for dc in (0, 1)] == ["2000000"] * 2
+        assert "minimum RTO 2000 ms" in tb.describe()
+    with Testbed(dcs=2, rate_mbit=100, prefix=prefix) as tb:  # default: the kernel's 200 ms
+        assert netns.in_netns(tb.netns(0), sysctl.read_text).strip() == "200000" and "RTO" not in tb.describe()
+    with pytest.raises(TestbedError, match=r"rto_min_ms \(--rto-min-ms\) must be 1\.\.120000 ms.*fix"):
+        Testbed(dcs=2, rto_min_ms=0.5, prefix=prefix)
+
+
 def test_congestion_control_is_set_in_the_dc_namespaces_and_refused_clearly(prefix):
     from pathlib import Path
 
