@@ -22,6 +22,10 @@ How a prediction is made (per system, plan and point):
   goodput (selfcheck's two-way row). The borrowed experts' gradient return is such an all-to-all
   on gloo: when it lasts at least STEADY_S it is divided by the steady-state share (the probes of
   at least STEADY_S, pooled). ``uncalibrated_total`` is the same prediction without either.
+- The router's skew (``routing_counts``, Session.routing): the tokens each rank routed to each expert per
+  micro-batch in EP's unshaped run, per MoE layer. With them the cost model times each layer's token
+  all-to-all by its busiest link (plan/network.py ``flows``) instead of by the balanced share: for every
+  plan whose EP group is the world in one stage (ep, hybridep, hybridep-compressed, auto's PP 1 finalists).
 - Pipeline sends on shared cores (a layout with PP, 1F1B, ``shared_cores`` given): the testbed's ranks
   share its cores, so a stage blocked on a send frees them for the other stages. The pipeline's
   term is then two replays of the schedule on shared cores (plan/pipeline.one_f_one_b_shared), shaped

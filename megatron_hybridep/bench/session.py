@@ -334,8 +334,9 @@ class Session:
         work = self.workload(self.cfg.points[point], self.events, system)
         if layout is not None:
             work = layout_workload(work, layout.tp, layout.pp)
-        elif (routing := self.routing(point)) is not None and routing.shape[1] == plan.ep_size:
-            work = work.replace(routing_counts=routing)
+        one_stage = layout is None or (layout.pp, layout.tp) == (1, 1)  # every MoE layer, each rank's tokens
+        if one_stage and (routing := self.routing(point)) is not None and routing.shape[1] == plan.ep_size:
+            work = work.replace(routing_counts=routing)  # the same plan priced alike as a system or a finalist
         cpu = (unshaped_ranks or {}).get("cpu_s")
         share = self.cpu_share(point)
         if cpu is not None and share is not None:  # against what a rank gets here when nothing idles it
