@@ -151,10 +151,11 @@ def format_finalists(cfg: BenchConfig, finals: dict[str, dict[str, Any]]) -> lis
         out.append(f"  {cfg.points[point]['tokens']} {system}: {cands} -> {rec.get('chosen')}{dropped}")
     if not out:
         return []
-    return ["auto's finalists (planner / predicted from the measured unshaped step: its trials' mean, run back to "
-            "back with the others' in the order A B .. B A (\"trial\": one, runs before 2026-12-02 07:45); = the "
-            "measured system whose row stands for it, and whose calibration it used where not trialled (runs before "
-            "2026-12-02); a tie within 3% on the trials goes to the planner's clearly faster; bench/finalists.py):",
+    return ["auto's finalists (planner / predicted from the measured unshaped step: the median of its trials' "
+            "steps (the mean of their medians before 2026-12-02 16:00), run back to back with the others' in the "
+            "order A B .. B A (\"trial\": one, runs before 2026-12-02 07:45); = the measured system whose row "
+            "stands for it, and whose calibration it used where not trialled (runs before 2026-12-02); a tie "
+            "within 3% on the trials goes to the planner's clearly faster; bench/finalists.py):",
             *out]
 
 

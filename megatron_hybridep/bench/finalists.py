@@ -10,9 +10,10 @@ each back to back, predicts each as every bench row is predicted (unshaped step 
 unshaped network), and runs the fastest. Back to back, not a measured twin's calibration: the ranks'
 unshaped step drifts over a point (a system's second-round calibration reads 1.10-1.39x its first:
 the per-run medians of the recorded 4 DC x 2 runs), by more than the finalists differ. Twice, in
-the order A B .. B A (trial_order): a drift linear over the trials cancels in each finalist's mean,
-and one noisy trial (the first after a shaped run read 12% high) counts half. A lone finalist with
-a twin takes the twin's calibration: there is nothing to compare. Finalists predicted within
+the order A B .. B A (trial_order), each predicted from the median of all its trials' steps
+(trial_step): a drift linear over the trials cancels, and one slow trial (the first after a shaped
+run read 12-21% high) moves it little. A lone finalist with a twin takes the twin's calibration:
+there is nothing to compare. Finalists predicted within
 TRIAL_TIE of the fastest are a tie the trials cannot break, and the planner's ranking breaks it
 where it prices one clearly faster. A tie goes to the layout without hybridep as the planner's own
 choice does (within PREFER_MEGATRON_WITHIN of an exact plan; a compressed one keeps the choice when
@@ -21,6 +22,7 @@ predicted faster).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, replace
 
 from megatron_hybridep.plan.layout import PREFER_MEGATRON_WITHIN, Layout, LayoutResult, is_hybridep, within_margin
@@ -98,10 +100,12 @@ def trial_order(n: int) -> list[int]:
     return list(range(n)) + list(reversed(range(n))) if n > 1 else list(range(n))
 
 
-def mean_trial(trials: list[dict]) -> tuple[float, dict[str, float] | None]:
-    """(unshaped step, per-rank figures) of a finalist's trials (bench/worker.py "point" events): the mean
-    of their medians, and of each per-rank figure every trial has."""
-    step = sum(float(e["median_s"]) for e in trials) / len(trials)
+def trial_step(trials: list[dict]) -> tuple[float, dict[str, float] | None]:
+    """(unshaped step, per-rank figures) of a finalist's trials (bench/worker.py "point" events): the median
+    of every timed step of them all (a trial's median where it has no steps), and the mean of each per-rank
+    figure every trial has. One slow trial moves a pooled median little: a mean of the two trials' medians
+    took HybridEP-c's 2.35 s trial at half weight and cost auto-c 26% (docs/results.md, "One slow trial")."""
+    step = statistics.median(float(x) for e in trials for x in (e.get("step_s") or [e["median_s"]]))
     ranks = [e.get("ranks") or {} for e in trials]
     keys = set.intersection(*(set(r) for r in ranks))
     return step, ({k: sum(r[k] for r in ranks) / len(ranks) for k in sorted(keys)} if keys else None)

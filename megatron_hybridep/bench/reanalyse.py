@@ -61,7 +61,8 @@ def recorded_session(out: Path) -> tuple[dict[str, Any], Session]:
     return summary, session
 
 
-def reanalyse(out: Path) -> dict[str, Any]:
+def restored_session(out: Path) -> tuple[dict[str, Any], Session]:
+    """recorded_session, with the plans and layouts the run chose restored as its Session held them."""
     summary, session = recorded_session(out)
     cfg = session.cfg
     session.info.update(chosen=dict(summary["hybridep_plans"]),
@@ -81,4 +82,9 @@ def reanalyse(out: Path) -> dict[str, Any]:
     session.info["finalists"] = dict(summary.get("finalists", {}))  # runs before 2026-11-27 had none
     session.info["same_as"] = {**{f"{p} auto": s for p, s in summary.get("auto_same_as", {}).items()},  # older runs
                                **summary.get("same_as", {})}
-    return analyse(cfg, session, session.events, float(summary["elapsed_s"]))
+    return summary, session
+
+
+def reanalyse(out: Path) -> dict[str, Any]:
+    summary, session = restored_session(out)
+    return analyse(session.cfg, session, session.events, float(summary["elapsed_s"]))

@@ -215,7 +215,7 @@ class Session:
         for f in finals:
             if f.unshaped_s is None:
                 if trials := self._trials(point, system, f):
-                    f.unshaped_s, f.unshaped_ranks = bf.mean_trial(trials)
+                    f.unshaped_s, f.unshaped_ranks = bf.trial_step(trials)
                     f.trialled, f.trials = True, len(trials)
                 else:  # a lone finalist: its twin's calibration (nothing to compare it with)
                     e = self._calibration(point, f.same_as)
