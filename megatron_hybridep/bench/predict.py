@@ -39,7 +39,10 @@ How a prediction is made (per system, plan and point):
   reduction) is replayed as that many pipelines sharing the cores and the boundary links, started
   GROUP_PHASE / k of a micro-batch apart: in step they would wait together, measured they hide small
   sends almost entirely and large ones in part (docs/results.md, "Expert gathers behind their measured
-  lead").
+  lead"). A blocked rank does not free all of its share: it keeps WAIT_HOLD of a computing rank's
+  claim (measured, the waits cost CPU: one stage per DC on 4 DCs x 2 at 50 Mbit/s, 1024 tokens, a rank's
+  CPU seconds per step rose from 0.74 to 1.05 s under shaping, before the kernel's own network work;
+  docs/results.md, "Waiting ranks keep part of the cores").
 - Prefetched expert gathers behind what the unshaped step ran (``gather_lead``, from its calibration):
   the cost model hides a gather behind its own T_pre (and all-to-alls on other links), which on CPU ranks
   is a few percent of what runs between a gather's launch and its use. The ranks time that (the gather's
@@ -70,6 +73,10 @@ STEADY_S = 0.05  # all-to-alls at least this long at the rate see steady-state T
 # a stage's independent pipelines (EP 1 stages) replayed out of step: k groups start 0.25 / k of a micro-batch's
 # compute apart (fitted on the recorded EP 1 rows; 0.5 hides too much of large sends: docs/results.md)
 GROUP_PHASE = 0.25
+# a rank blocked on a pipeline transfer keeps a quarter of a computing rank's claim on the cores (its gloo
+# I/O thread, the kernel's TCP and shaping work, wake-ups): fitted on the 294 calibrate / measure pairs of the
+# pipeline rows recorded before 2026-12-02 (within 10%: 239 with 0, 252 with 0.25, 244 with 0.5; docs/results.md)
+WAIT_HOLD = 0.25
 FP32 = 4  # bytes per element: the CPU runtime trains in fp32 (activations, weights, gradients)
 # the network phases a prediction reports (plan/phases.py): token all-to-alls both ways as one
 PHASES = (Phase.TOKEN_A2A, Phase.EXPERT_ALLGATHER, Phase.GRAD_RETURN, Phase.SHARED_SYNC, Phase.EXPERT_GRAD_ALLREDUCE,
@@ -331,7 +338,7 @@ def shared_pipeline_send(shaped: Topology, unshaped: Topology, workload: Workloa
     pp, m = workload.pipeline_model_parallel_size, workload.micro_batches
     ranks = shaped.world_size // pp
     groups = ranks // plan.ep_size if plan.ep_size and ranks % plan.ep_size == 0 else 1
-    spread = {"groups": groups, "stagger": GROUP_PHASE / groups if groups > 1 else 0.0}
+    spread = {"groups": groups, "stagger": GROUP_PHASE / groups if groups > 1 else 0.0, "hold": WAIT_HOLD}
     cost = CostModel(shaped, workload)
     raw = cost.evaluate(plan).raw
     f0, b0 = raw["stage_fwd"], raw["stage_bwd"]
@@ -349,7 +356,7 @@ def shared_pipeline_send(shaped: Topology, unshaped: Topology, workload: Workloa
 
 
 def pipeline_duty(pp: int, m: int, f0: float, b0: float, ranks: int, cores: float, step_s: float,
-                  rank_cpu_s: float, groups: int = 1, stagger: float = 0.0) -> float:
+                  rank_cpu_s: float, groups: int = 1, stagger: float = 0.0, hold: float = 0.0) -> float:
     """The share of its compute a rank keeps a core busy, from the unshaped step: with the stage times
     scaled until the free-send replay lasts ``step_s``, a rank's CPU seconds are duty x its compute
     (m (f + b)); a lower duty contends less for the cores, so the replay needs longer stages. 1 when the
@@ -357,7 +364,7 @@ def pipeline_duty(pp: int, m: int, f0: float, b0: float, ranks: int, cores: floa
     def cpu(duty: float) -> float:
         return duty * step_s * m * (f0 + b0) / one_f_one_b_shared(pp, m, f0, b0, ranks_per_stage=ranks,
                                                                      cores=cores, duty=duty, groups=groups,
-                                                                     stagger=stagger)
+                                                                     stagger=stagger, hold=hold)
     if rank_cpu_s >= cpu(1.0):
         return 1.0
     lo, hi = 1e-3, 1.0  # cpu() rises with duty (less contention shortens the replay less than duty drops)

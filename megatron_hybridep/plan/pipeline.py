@@ -141,7 +141,7 @@ def one_f_one_b(pp: int, m: int, f: float, b: float, fwd: Sequence[float] = (), 
 
 def one_f_one_b_shared(pp: int, m: int, f: float, b: float, fwd: Sequence[float] = (), bwd: Sequence[float] = (),
                        ranks_per_stage: int = 1, cores: float | None = None, duty: float = 1.0, groups: int = 1,
-                       stagger: float = 0.0) -> float:
+                       stagger: float = 0.0, hold: float = 0.0) -> float:
     """:func:`one_f_one_b` on shared cores: ``f`` and ``b`` are a rank's compute with a core to itself,
     of which it keeps a core busy ``duty`` (the rest waits on something other than the cores); while k
     pipelines' stages compute, each of their ranks runs at min(1, cores / (k ranks duty)) of that speed
@@ -151,7 +151,9 @@ def one_f_one_b_shared(pp: int, m: int, f: float, b: float, fwd: Sequence[float]
     replicas: nothing couples them until the gradient reduction), each of ranks_per_stage / groups
     ranks; the transfers of one boundary and direction share its link (``fwd`` / ``bwd``: the whole
     stage's transfer; one group's alone takes 1 / groups of it). ``stagger``: pipeline g starts
-    g x stagger x (f + b) late. In step, the groups wait together and the result is the one-group replay."""
+    g x stagger x (f + b) late. In step, the groups wait together and the result is the one-group replay.
+    ``hold``: the share of a computing rank's claim on the cores that a rank blocked on a transfer keeps
+    (0: it frees them all; 1: none, the waits hide nothing)."""
     fwd, bwd = _boundary_times(pp, fwd, bwd)
     if cores is not None and not cores > 0:
         raise ValueError(f"cores must be > 0, got {cores!r}")
@@ -214,7 +216,9 @@ def one_f_one_b_shared(pp: int, m: int, f: float, b: float, fwd: Sequence[float]
             if any(pc[u] < len(progs[u[1]]) for u in units):  # pragma: no cover - Megatron's program does not deadlock
                 raise RuntimeError("1F1B replay deadlocked")
             return now
-        rate = 1.0 if cores is None or not busy else min(1.0, cores / (len(busy) * ranks * duty))
+        waiting = sum(1 for u in units if work[u] is None and u not in late and pc[u] < len(progs[u[1]]))
+        load = (len(busy) + hold * waiting) * ranks * duty
+        rate = 1.0 if cores is None or not busy else min(1.0, cores / load)
         # one group's transfers over a boundary and direction go in order (one TCP connection per rank pair);
         # the groups' connections share the link
         heads = list({(k[0], *k[1:3]): k for k in reversed(left)}.values())

@@ -177,6 +177,25 @@ def test_a_stage_blocked_on_a_send_frees_the_cores_for_the_others():
         one_f_one_b_shared(2, 1, f, b, cores=0)
 
 
+def test_a_waiting_rank_that_keeps_part_of_its_share_hides_less():
+    """``hold``: a blocked rank keeps that share of a computing rank's claim on the cores. 0 frees it all,
+    1 frees none: the plain replay at the speed a rank has while every rank computes."""
+    f, b, c = 1.0, 2.0, 0.5
+
+    def added(pp: int, hold: float) -> float:
+        return (one_f_one_b_shared(pp, 8, f, b, [c] * (pp - 1), [c] * (pp - 1), 2, 2, hold=hold)
+                - one_f_one_b_shared(pp, 8, f, b, ranks_per_stage=2, cores=2, hold=hold))
+
+    slow = 4 * 2 / 2
+    plain = one_f_one_b(4, 8, f * slow, b * slow, [c] * 3, [c] * 3) - one_f_one_b(4, 8, f * slow, b * slow)
+    steps = [added(4, h) for h in (0.0, 0.25, 0.5, 1.0)]
+    assert steps == sorted(steps) and steps[0] < steps[1] < steps[3]
+    assert steps[3] == pytest.approx(plain)
+    assert added(4, 0.0) == pytest.approx(one_f_one_b_shared(4, 8, f, b, [c] * 3, [c] * 3, 2, 2)
+                                          - one_f_one_b_shared(4, 8, f, b, ranks_per_stage=2, cores=2))
+    assert added(2, 0.5) == pytest.approx(added(2, 0.0))  # two stages: every transfer stops both anyway
+
+
 def test_ranks_that_keep_a_core_busy_part_of_their_compute_contend_less():
     f, b, c = 1.0, 2.0, 0.5
     sends = [c] * 3

