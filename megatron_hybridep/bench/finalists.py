@@ -104,7 +104,8 @@ def trial_step(trials: list[dict]) -> tuple[float, dict[str, float] | None]:
     """(unshaped step, per-rank figures) of a finalist's trials (bench/worker.py "point" events): the median
     of every timed step of them all (a trial's median where it has no steps), and the mean of each per-rank
     figure every trial has. One slow trial moves a pooled median little: a mean of the two trials' medians
-    took HybridEP-c's 2.35 s trial at half weight and cost auto-c 26% (docs/results.md, "One slow trial")."""
+    took HybridEP-c's 2.35 s trial at half weight and cost auto-c 26% (docs/results.md, "One slow trial,
+    and waiting ranks keep part of the cores")."""
     step = statistics.median(float(x) for e in trials for x in (e.get("step_s") or [e["median_s"]]))
     ranks = [e.get("ranks") or {} for e in trials]
     keys = set.intersection(*(set(r) for r in ranks))

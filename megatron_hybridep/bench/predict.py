@@ -42,7 +42,7 @@ How a prediction is made (per system, plan and point):
   lead"). A blocked rank does not free all of its share: it keeps WAIT_HOLD of a computing rank's
   claim (measured, the waits cost CPU: one stage per DC on 4 DCs x 2 at 50 Mbit/s, 1024 tokens, a rank's
   CPU seconds per step rose from 0.74 to 1.05 s under shaping, before the kernel's own network work;
-  docs/results.md, "Waiting ranks keep part of the cores").
+  docs/results.md, "One slow trial, and waiting ranks keep part of the cores").
 - Prefetched expert gathers behind what the unshaped step ran (``gather_lead``, from its calibration):
   the cost model hides a gather behind its own T_pre (and all-to-alls on other links), which on CPU ranks
   is a few percent of what runs between a gather's launch and its use. The ranks time that (the gather's
