@@ -216,9 +216,12 @@ def one_f_one_b_shared(pp: int, m: int, f: float, b: float, fwd: Sequence[float]
             if any(pc[u] < len(progs[u[1]]) for u in units):  # pragma: no cover - Megatron's program does not deadlock
                 raise RuntimeError("1F1B replay deadlocked")
             return now
-        waiting = sum(1 for u in units if work[u] is None and u not in late and pc[u] < len(progs[u[1]]))
-        load = (len(busy) + hold * waiting) * ranks * duty
-        rate = 1.0 if cores is None or not busy else min(1.0, cores / load)
+        if cores is None or not busy:
+            rate = 1.0
+        else:  # blocked units (started, not done, not computing) keep ``hold`` of a computing one's claim
+            waiting = sum(1 for u in units if work[u] is None and u not in late and pc[u] < len(progs[u[1]])) \
+                if hold else 0
+            rate = min(1.0, cores / ((len(busy) + hold * waiting) * ranks * duty))
         # one group's transfers over a boundary and direction go in order (one TCP connection per rank pair);
         # the groups' connections share the link
         heads = list({(k[0], *k[1:3]): k for k in reversed(left)}.values())

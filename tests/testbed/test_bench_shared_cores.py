@@ -88,8 +88,8 @@ def test_a_ranks_cpu_share_is_read_against_the_unpipelined_systems_at_its_point(
     # one stage per DC on 4 DCs x 2 at 10 Mbit/s, 32 tokens: pp's ranks used 0.234 CPU s per wall s, 6%
     # below 2 cores / 8 ranks, as EP's, replicated's and HybridEP-c's (0.216-0.235): read against 0.25
     # the shortfall was idle cores and the sends were priced exposed (+375 ms, +19.6%; -50 ms measured).
-    # Read against 0.25: +206 ms, +11.8% (with bench/predict.WAIT_HOLD 0: +5.0%; any positive price misses a
-    # row whose shaped step read shorter than its unshaped one)
+    # With a waiting rank keeping a quarter of its claim (bench/predict.WAIT_HOLD): +206 ms, +11.8% (with 0:
+    # +5.0%; any positive price misses a row whose shaped step read shorter than its unshaped one)
     run = RECORDED.parent / "4dc_x_2_deep_10mbit_m8_w10g4b16_reno_rounds2_trials_back_to_back"
     before, after = reanalysed_row(run, tmp_path, "pp", 0)
     assert float(before["pred_error_pct"]) > 15 and float(before["pred_pipeline_send_s"]) > 0.3
