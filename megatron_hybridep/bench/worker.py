@@ -44,6 +44,8 @@ from megatron_hybridep.runtime.logs import quiet_known_warnings
 
 PREFIX = "BENCH "
 WAN_DEV = "wan0"
+SPEED_REF = (256, 48)  # (n, repeats): a fixed fp32 n x n matmul every rank times at once beside each timed window
+#   (40-80 ms with 4-8 ranks on 2 cores, longer than a scheduler slice): the shared host's speed then, any layout
 
 
 def _proc_net_row(path: str, table: str) -> dict[str, int]:
@@ -70,6 +72,20 @@ def wan_counters(dev: str = WAN_DEV) -> tuple[int, int, int, int]:
 def _link_delta(dc: int, before: tuple[int, ...], after: tuple[int, ...]) -> dict[str, int]:
     names = ("tx_bytes", "rx_bytes", "tcp_timeouts", "tcp_retrans")
     return {"dc": dc, **{k: a - b for k, a, b in zip(names, after, before, strict=True)}}
+
+
+def speed_ref(n: int = SPEED_REF[0], repeats: int = SPEED_REF[1]) -> tuple[float, float]:
+    """(wall, CPU) seconds this rank takes for ``repeats`` fixed n x n matmuls, started with every rank (a
+    barrier): the host's speed at that moment, as auto's trials compare layouts measured minutes apart
+    (bench/finalists.trial_step). The slowest rank's wall is the host's throughput for all ranks at once;
+    the CPU seconds, a core's speed (they exclude waiting for a core)."""
+    a, out = torch.full((n, n), 0.5), torch.empty(n, n)
+    torch.mm(a, a, out=out)  # allocate and warm outside the timing
+    dist.barrier()
+    t, cpu = time.perf_counter(), time.thread_time()
+    for _ in range(repeats):
+        torch.mm(a, a, out=out)
+    return time.perf_counter() - t, time.thread_time() - cpu
 
 
 def timed_all_to_alls(nbytes: int, repeats: int, before_timed: Any = None) -> tuple[int, list[float]]:
@@ -314,6 +330,7 @@ class Worker:
             train_step(state, micro)
         dist.barrier()
         warmup_s = time.perf_counter() - t0
+        ref = speed_ref()
         load0 = os.getloadavg()[0]  # the machine is shared: say how busy it was
         counters0 = wan_counters() if self.local_rank == 0 else None
         rows, routing = [], {}
@@ -336,8 +353,9 @@ class Worker:
         link = None
         if counters0 is not None:
             link = _link_delta(self.dc, counters0, wan_counters())
+        ref = tuple((a + b) / 2 for a, b in zip(ref, speed_ref(), strict=True))  # before and after the window
         everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, {"rank": self.rank, "rows": rows, "link": link,
+        dist.all_gather_object(everyone, {"rank": self.rank, "rows": rows, "link": link, "speed_ref_s": ref,
                                           "routing": {str(k): np.asarray(v).tolist() for k, v in routing.items()}})
         if self.rank != 0:
             return
@@ -352,6 +370,8 @@ class Worker:
         self.emit("point", phase=phase, system=system, plan=label, plan_index=plan_index, point=point["index"],
              tokens=mbs * seq, micro_batch=mbs, micro_batches=m, seq=seq, iters=iters, step_s=steps,
              median_s=statistics.median(steps), warmup_s=warmup_s, loadavg=(load0, os.getloadavg()[0]), link=links,
+             speed_ref_s=max(e["speed_ref_s"][0] for e in everyone),
+             speed_ref_cpu_s=statistics.median(e["speed_ref_s"][1] for e in everyone),
              ranks={k: _mean_over(per_rank, k) for k in per_rank[0][0] if k not in ("step_s", "loss")},
              routing=[e["routing"] for e in sorted(everyone, key=lambda e: e["rank"])])
 
