@@ -5,9 +5,10 @@ the real Megatron GPT-MoE on the emulated multi-DC testbed (network namespaces +
     python -m megatron_hybridep bench --smoke              # 2 points, tiny batches, < 60 s
     python -m megatron_hybridep bench --rate 100mbit --points 4 --min-tokens 256 --out runs/b1
 
-One testbed (D DCs x K ranks), one launch of the rank workers (bench/worker) per point (fresh
-processes: gloo never frees old process groups' threads), steered by the parent over a control
-socket (bench/control); rank logs in <out>/logs/point<i>. Point by point, highest traffic first (tokens per rank =
+One testbed (D DCs x K ranks), one launch of the rank workers (bench/worker) per system run (fresh
+processes, forked from the warm host: gloo never frees old process groups' threads), steered by the
+parent over a control socket (bench/control); rank logs in <out>/logs/point<i>/run<k>. Point by
+point, highest traffic first (tokens per rank =
 micro_batch x seq, --points values over a 32x range, so the token traffic per rank spans 32x like the
 paper's 6..192 MB), system by system (EP first, then replicated, HybridEP with exact migration, and
 HybridEP with weights and returned gradients top-k compressed, --compression-ratio and
@@ -97,9 +98,12 @@ def run_bench(cfg: BenchConfig, log: IO[str] = sys.stdout) -> dict[str, Any]:
                     f"(borrowed copies: {cfg.borrowed_copies}; overlap-grad-reduce "
                     f"{'on' if cfg.overlap_grad_reduce else 'off'}); systems {','.join(cfg.systems)}")
         deadline = t0 + cfg.timeout
-        while session.pending():  # one launch per point: fresh ranks (see bench/session)
-            _launch(cfg, tb, session, env, Path(tmp), cfg.out / "logs" / f"point{session.queue[0][0]}", repo,
-                    Progress(t0, None if cfg.quiet else log), deadline)
+        launches: dict[int, int] = {}
+        while session.pending():  # one launch per system run: fresh ranks (see bench/session)
+            point = session.queue[0][0]
+            launches[point] = launches.get(point, 0) + 1
+            _launch(cfg, tb, session, env, Path(tmp), cfg.out / "logs" / f"point{point}" / f"run{launches[point]:02d}",
+                    repo, Progress(t0, None if cfg.quiet else log), deadline)
     return analyse(cfg, session, session.events, time.monotonic() - t0)
 
 

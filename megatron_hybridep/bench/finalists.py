@@ -32,6 +32,9 @@ FINALIST_WITHIN = 1.0  # layouts the planner prices at most 2x its best: the tes
 MAX_TRIALS = 2  # finalists per auto system and point that no measured system stands for
 TRIAL_ITERS = 3  # timed iterations of a trial at least: a median of 2 is their mean, and one slow step moved
 #   HybridEP-c's trial 9% (4 DCs x 2, 50 Mbit/s, 1024 tokens: 3.98 and 4.69 s) and auto-c off the fastest
+SPEED_KEY = "speed_ref_s"  # the host's speed beside each trial (bench/worker.speed_ref): HybridEP-c's trials
+#   read 1.09-1.28x PP4 EP1's against their own calibrations while the whole rank ran slow (2 DCs x 2, 50 Mbit/s)
+SCALE_TRIALS = False  # scale the trials to the host's speed (off: under evaluation, docs/results.md)
 TRIAL_TIE = 0.03  # a measured trial's noise: the same configuration's trials and calibrations at a point read
 #   3-12% apart (4 DCs x 2, 50 Mbit/s, 1024 tokens: HybridEP-c's trial 5.60 s, its calibrations 5.04 and 4.85)
 
@@ -53,6 +56,7 @@ class Finalist:
     compressed: bool = False  # the plan runs the codec (the planner's candidate)
     trialled: bool = False  # unshaped_s is its own trials' (else its twin system's calibration)
     trials: int = 0  # how many (trial_order)
+    speed_scale: float | None = None  # what trial_step scaled its trials' steps by (their median)
 
     @property
     def name(self) -> str:
@@ -61,7 +65,7 @@ class Finalist:
     def to_dict(self) -> dict[str, object]:
         return {"name": self.name, "planner_s": self.planner_s, "same_as": self.same_as,
                 "unshaped_s": self.unshaped_s, "predicted_s": self.predicted_s, "trialled": self.trialled,
-                "trials": self.trials}
+                "trials": self.trials, "speed_scale": self.speed_scale}
 
 
 def finalists(results: list[LayoutResult], within: float = FINALIST_WITHIN) -> list[Finalist]:
@@ -100,13 +104,29 @@ def trial_order(n: int) -> list[int]:
     return list(range(n)) + list(reversed(range(n))) if n > 1 else list(range(n))
 
 
-def trial_step(trials: list[dict]) -> tuple[float, dict[str, float] | None]:
+def speed_base(trials: list[dict]) -> float | None:
+    """The host-speed reference a point's trials (every finalist's) are scaled to: the median of their
+    SPEED_KEY, or None where one lacks it (runs before 2026-12-02 21:00)."""
+    refs = [e.get(SPEED_KEY) for e in trials]
+    return statistics.median(refs) if refs and all(r is not None and r > 0 for r in refs) else None
+
+
+def speed_scale(trials: list[dict], base: float | None) -> float | None:
+    """The median factor trial_step scales ``trials``' steps by (None: unscaled)."""
+    return statistics.median(base / e[SPEED_KEY] for e in trials) if base is not None else None
+
+
+def trial_step(trials: list[dict], base: float | None = None) -> tuple[float, dict[str, float] | None]:
     """(unshaped step, per-rank figures) of a finalist's trials (bench/worker.py "point" events): the median
-    of every timed step of them all (a trial's median where it has no steps), and the mean of each per-rank
-    figure every trial has. One slow trial moves a pooled median little: a mean of the two trials' medians
-    took HybridEP-c's 2.35 s trial at half weight and cost auto-c 26% (docs/results.md, "One slow trial,
-    and waiting ranks keep part of the cores")."""
-    step = statistics.median(float(x) for e in trials for x in (e.get("step_s") or [e["median_s"]]))
+    of every timed step of them all (a trial's median where it has no steps), each trial's steps scaled by
+    ``base`` / its own SPEED_KEY when ``base`` is given (speed_base: the host's speed, the same for every
+    finalist), and the mean of each per-rank figure every trial has. One slow trial moves a pooled median
+    little: a mean of the two trials' medians took HybridEP-c's 2.35 s trial at half weight and cost auto-c
+    26% (docs/results.md, "One slow trial, and waiting ranks keep part of the cores")."""
+    def scale(e: dict) -> float:
+        return base / e[SPEED_KEY] if base is not None else 1.0
+
+    step = statistics.median(float(x) * scale(e) for e in trials for x in (e.get("step_s") or [e["median_s"]]))
     ranks = [e.get("ranks") or {} for e in trials]
     keys = set.intersection(*(set(r) for r in ranks))
     return step, ({k: sum(r[k] for r in ranks) / len(ranks) for k in sorted(keys)} if keys else None)

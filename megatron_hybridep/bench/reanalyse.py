@@ -1,5 +1,5 @@
 """`hybridep bench --reanalyse DIR`: a finished run's analysis again, from what it recorded
-(summary.json and rank 0's ``BENCH`` lines in logs/point*/rank0.log), with today's cost model and
+(summary.json and rank 0's ``BENCH`` lines in logs/point*/[run*/]rank0.log), with today's cost model and
 report: the prediction can be improved and checked against real runs without the testbed. The
 measured rows are the run's; bench.csv, bench.png, summary.json and report.txt are rewritten."""
 
@@ -23,7 +23,8 @@ from megatron_hybridep.plan.plan import Plan
 def recorded_events(out: Path) -> list[dict[str, Any]]:
     """Rank 0's events (what the parent saw over the control channel), per-iteration lines left out."""
     events = []
-    for log in sorted(out.glob("logs/point*/rank0.log")):
+    # logs/point<i>/rank0.log: a launch per point (runs before 2026-12-02 22:00); else logs/point<i>/run<k>/
+    for log in sorted([*out.glob("logs/point*/rank0.log"), *out.glob("logs/point*/run*/rank0.log")]):
         for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
             if "BENCH " in line:
                 e = json.loads(line.split("BENCH ", 1)[1])

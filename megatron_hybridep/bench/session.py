@@ -2,10 +2,12 @@
 is answered with, WAN shaping between the unshaped and shaped phases, the planner's choice per
 point, and the progress lines.
 
-One launch of the rank workers serves one point (all its systems): at the next point the worker is
-told "done" and bench.py starts a fresh set of ranks (Session.pending). Megatron's process groups
-are rebuilt for every system, and gloo never frees an old group's threads, so one long-lived rank
-accumulated ~400 threads by the end of a sweep and the machine's load climbed with them."""
+One launch of the rank workers serves one system run (a calibration and its measurement, or one of
+auto's trials): then the worker is told "done" and bench.py forks a fresh set of ranks from the warm
+host (Session.pending). Each layout builds its own process groups and gloo never frees an old
+group's threads: a launch per point held 170 threads per rank by its trials, the machine's load
+rose from 3 to 30, and those trials ran 1.3-1.9x their twin's calibration (docs/results.md, "A fresh
+launch per system run")."""
 
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ class Session:
     log: IO[str]
     queue: list[tuple[int, str]] = field(default_factory=list)
     current: tuple[int, str] | None = None
-    launch_point: int | None = None  # the point the running launch serves (None: not started yet)
+    launch_served: bool = False  # the running launch has had its system run (the next "next" ends it)
     shaped: bool = True
     probes_left: list[bool] = field(default_factory=list)  # the all-to-all probes still to run: shaped or not
     candidates: list[Plan] = field(default_factory=list)
@@ -90,8 +92,8 @@ class Session:
         self.info.update(chosen={}, planner_best={}, shaped_tx_bytes=0.0)
 
     def pending(self) -> bool:
-        """Whether another launch of the ranks is needed; if so, the next one starts at a new point."""
-        self.launch_point = None
+        """Whether another launch of the ranks is needed (for the next system run)."""
+        self.launch_served = False
         return bool(self.queue) or not self.candidates
 
     def say(self, msg: str) -> None:
@@ -136,12 +138,12 @@ class Session:
                 return {"probe": {"sizes": sizes, "repeats": PROBE_REPEATS, "shaped": shaped}}
             self.set_shaped(False)
             while True:
-                if not self.queue or self.launch_point not in (None, self.queue[0][0]):
-                    return {"done": True}  # the sweep is over, or this launch's point is (fresh ranks per point)
+                if not self.queue or self.launch_served:
+                    return {"done": True}  # the sweep is over, or this launch's run is (fresh ranks per run)
                 self.current = self.queue.pop(0)
-                self.launch_point = self.current[0]
                 order = self._order(*self.current)
                 if order is not None:
+                    self.launch_served = True
                     return order
         if op == "shape":
             assert self.current is not None
@@ -212,10 +214,12 @@ class Session:
                 self.say(f"point {point}: {system}: unshaped trial of {f.name} (planner: {f.planner_s * 1e3:,.0f} ms)")
                 return self._compressed(system, {**self._layout_order(f.layout, f.plan), "trial": True,
                                                  "iters": max(self.cfg.iters, bf.TRIAL_ITERS)})
+        base = bf.speed_base([e for f in finals for e in self._trials(point, system, f)]) if bf.SCALE_TRIALS else None
         for f in finals:
             if f.unshaped_s is None:
                 if trials := self._trials(point, system, f):
-                    f.unshaped_s, f.unshaped_ranks = bf.trial_step(trials)
+                    f.unshaped_s, f.unshaped_ranks = bf.trial_step(trials, base)
+                    f.speed_scale = bf.speed_scale(trials, base)
                     f.trialled, f.trials = True, len(trials)
                 else:  # a lone finalist: its twin's calibration (nothing to compare it with)
                     e = self._calibration(point, f.same_as)

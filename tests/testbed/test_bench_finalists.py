@@ -156,6 +156,40 @@ def test_trial_step_is_the_median_of_every_step_and_the_mean_of_the_figures_ever
     assert bf.trial_step([{"median_s": 2.0}]) == (2.0, None)  # events without their steps: the median
 
 
+def test_trial_steps_are_scaled_to_the_hosts_speed_beside_them():
+    a = {"median_s": 2.4, "step_s": [2.4, 2.5, 2.3], "speed_ref_s": 0.12}
+    b = {"median_s": 2.0, "step_s": [2.0, 2.1, 1.9], "speed_ref_s": 0.08}
+    assert bf.speed_base([a, b]) == pytest.approx(0.10)
+    assert bf.trial_step([a], 0.10)[0] == pytest.approx(2.0)  # ran while the host was 1.2x slow
+    assert bf.trial_step([b], 0.10)[0] == pytest.approx(2.5)
+    assert bf.speed_scale([a, b], 0.10) == pytest.approx((1 / 1.2 + 1.25) / 2)
+    assert bf.trial_step([a, b])[0] == pytest.approx(2.2) and bf.speed_scale([a], None) is None
+    assert bf.speed_base([a, {"median_s": 2.0}]) is None  # a trial without the reference: none is scaled
+
+
+def test_a_finalist_trialled_while_the_host_ran_slow_is_not_ranked_by_that(monkeypatch):
+    """A's layout is 10% faster than B's, but both of A's trials ran while the host was 1.25x slow (the
+    matmul beside them took 1.25x as long): unscaled, A reads 4.5 s against B's 4.0 s."""
+    monkeypatch.setattr(bf, "SCALE_TRIALS", True)
+    cfg = _cfg(auto_trials=2, systems="ep,replicated,auto-c")
+    s = _session(cfg)
+    s.queue = [(0, "auto-c")]
+    seen: list[str] = []
+
+    def slow_host(name):
+        seen.append(name) if name not in seen else None
+        if seen.index(name) == 0:
+            return {"median_s": 3.6 * 1.25, "speed_ref_s": 0.05 * 1.25}
+        return {"median_s": 4.0, "speed_ref_s": 0.05}
+
+    _drive(s, "auto-c", slow_host)
+    a, b = (next(f for f in s.finals[(0, "auto-c")] if f.name == n) for n in seen)
+    base = 0.05 * 1.125  # the median reference of the four trials
+    assert a.unshaped_s == pytest.approx(3.6 * 1.125) and b.unshaped_s == pytest.approx(4.0 * 1.125)
+    assert a.speed_scale == pytest.approx(base / 0.0625) and b.to_dict()["speed_scale"] == pytest.approx(1.125)
+    assert s.info["finalists"]["0 auto-c"]["chosen"] == a.name
+
+
 RECORDED = (Path(__file__).resolve().parents[2] / "docs" / "results" / "layout_bench"
             / "2dc_x_2_deep_50mbit_m8_w10g4b16_reno_rounds2_routing")
 
@@ -179,7 +213,7 @@ def test_one_slow_trial_no_longer_decides_the_recorded_choice(monkeypatch):
 
     assert decide() == "PP1 EP4 domains dc2 gpu1"
     pooled = bf.trial_step
-    monkeypatch.setattr(bf, "trial_step", lambda trials: (sum(e["median_s"] for e in trials) / len(trials),
+    monkeypatch.setattr(bf, "trial_step", lambda trials, base=None: (sum(e["median_s"] for e in trials) / len(trials),
                                                           pooled(trials)[1]))
     assert decide() == "PP4 EP1"  # the mean of the medians, as the run chose
 
@@ -203,14 +237,15 @@ def _drive(s, system, unshaped):
     arriving with the next request: (the trial orders, the order that followed them)."""
     orders = []
     while True:
-        s.launch_point = None
+        s.launch_served = False
         order = s.handle({"op": "next", "events": []})
         if order.get("done") or not order.get("trial"):
             return orders, order
         orders.append(order)
         name = order["layout"]["name"]
+        got = unshaped(name)  # a step, or the event's fields
         s.events.append({"event": "point", "phase": "trial", "system": system, "plan": name, "point": 0,
-                         "median_s": unshaped(name)})
+                         **(got if isinstance(got, dict) else {"median_s": got})})
 
 
 def _with_pp(cfg, calibrated_s):

@@ -26,14 +26,14 @@ def test_rounds_interleave_the_systems_point_by_point_in_alternating_orders():
 def test_a_later_round_runs_the_first_rounds_plan_and_layout_without_planning_again(monkeypatch):
     s = _session(_cfg(systems=SYSTEMS, rounds=2))
     s.queue = [(0, "hybridep-compressed"), (0, "pp"), (0, "pp"), (0, "hybridep-compressed")]
-    orders = [s.handle({"op": "next", "events": []}) for _ in range(2)]
+    orders = [_next(s) for _ in range(2)]
 
     def no_planning(*a, **k):
         raise AssertionError("a later round planned again")
 
     monkeypatch.setattr(s, "choose_plan", no_planning)
     monkeypatch.setattr(s, "choose_layout", no_planning)
-    again = [s.handle({"op": "next", "events": []}) for _ in range(2)]
+    again = [_next(s) for _ in range(2)]
     assert again[0] == orders[1] and again[1] == orders[0]  # the same orders, in the reversed sequence
     assert again[1]["compression_ratio"] == s.cfg.compression_ratio and again[1]["plans"]
     assert again[0]["layout"]["pp"] == s.cfg.dcs
@@ -44,8 +44,25 @@ def test_a_later_round_of_an_auto_layout_that_is_a_measured_system_is_skipped():
     s.queue = [(0, "auto-c"), (0, "ep")]
     s.chosen[(0, "auto-c")] = object()  # type: ignore[assignment]  # the first round chose EP's layout
     s.info["same_as"] = {"0 auto-c": "ep"}
-    order = s.handle({"op": "next", "events": []})
+    order = _next(s)
     assert order["system"] == "ep" and not s.queue  # auto-c's round was skipped: EP's rounds stand for it
+
+
+def _next(s):
+    """The first order of a fresh launch of the ranks (bench/cli's loop)."""
+    assert s.pending()
+    return s.handle({"op": "next", "events": []})
+
+
+def test_each_system_run_gets_a_fresh_launch_of_the_ranks():
+    """A launch per point piled up each layout's gloo threads (170 per rank by auto's trials) and its
+    later runs read 1.3-1.9x slow: a launch now serves one run and is then told "done"."""
+    s = _session(_cfg(systems=SYSTEMS, rounds=1))
+    s.queue = [(0, "ep"), (0, "replicated")]
+    assert _next(s)["system"] == "ep"
+    assert s.handle({"op": "next", "events": []}) == {"done": True}  # the same launch asks again
+    assert _next(s)["system"] == "replicated" and not s.queue
+    assert s.handle({"op": "next", "events": []}) == {"done": True} and not s.pending()
 
 
 def _point(system, steps, tx, load, ranks, phase="measure"):
