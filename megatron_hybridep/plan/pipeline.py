@@ -218,8 +218,8 @@ def one_f_one_b_shared(pp: int, m: int, f: float, b: float, fwd: Sequence[float]
             return now
         if cores is None or not busy:
             rate = 1.0
-        else:  # units blocked on a transfer in flight keep ``hold`` of a computing one's claim
-            waiting = sum(1 for u in units if work[u] is None and waits[u] and any(k in left for k in waits[u])) \
+        else:  # blocked units (started, not done, not computing) keep ``hold`` of a computing one's claim
+            waiting = sum(1 for u in units if work[u] is None and u not in late and pc[u] < len(progs[u[1]])) \
                 if hold else 0
             rate = min(1.0, cores / ((len(busy) + hold * waiting) * ranks * duty))
         # one group's transfers over a boundary and direction go in order (one TCP connection per rank pair);
